@@ -1,0 +1,71 @@
+"""How many KV token slots a replica has: the vLLM memory split.
+
+    pool = gpu_memory_utilization * memory * TP - weights - activation reserve * TP
+
+unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it. A token's KV is stored
+`ModelSpec.kv_replication(TP)` times across the group (REFERENCE.md section 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.errors import ConfigError
+from sim.latency.profile import GpuProfile
+from sim.models import ModelSpec
+
+GiB = 2**30
+TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class KvPool:
+    pool_bytes: int
+    bytes_per_token: float  # per replica, replicas of a token across ranks included
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_token_slots(self) -> int:
+        """Slots when memory is one linear address space (contiguous allocators)."""
+        return int(self.pool_bytes // self.bytes_per_token)
+
+
+def _pool_bytes(model: ModelSpec, profile: GpuProfile, tp: int, utilization: float,
+                reserve_per_gpu: float) -> float:
+    return utilization * profile.memory_bytes * tp - model.weight_bytes - reserve_per_gpu * tp
+
+
+def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size: int,
+                 kv_dtype: str, block_size: int, max_model_len: int,
+                 gpu_memory_utilization: float, activation_reserve_bytes: float,
+                 kv_cache_memory_bytes: int | None) -> KvPool:
+    tp = tensor_parallel_size
+    bytes_per_token = model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
+    if kv_cache_memory_bytes is not None:
+        pool = float(kv_cache_memory_bytes) * tp
+    else:
+        pool = _pool_bytes(model, profile, tp, gpu_memory_utilization, activation_reserve_bytes)
+    num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
+    if num_blocks * block_size < max_model_len:
+        raise ConfigError(_does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len,
+                                        gpu_memory_utilization, activation_reserve_bytes,
+                                        kv_cache_memory_bytes is not None, kv_dtype))
+    return KvPool(int(pool), bytes_per_token, block_size, num_blocks)
+
+
+def _does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len, utilization,
+                  reserve, pool_fixed, kv_dtype) -> str:
+    what = (f"model {model.name} does not fit: tensor_parallel_size={tp} on {profile.name} leaves "
+            f"{pool / GiB:.2f} GiB of KV pool, fewer than max_model_len={max_model_len} tokens "
+            f"({max_model_len * bytes_per_token / GiB:.2f} GiB)")
+    if pool_fixed:
+        return f"{what}, key kv_cache_memory_bytes, raise it or lower max_model_len"
+    for degree in TP_DEGREES:
+        need = max_model_len * model.kv_bytes_per_token(kv_dtype) * model.kv_replication(degree)
+        if _pool_bytes(model, profile, degree, utilization, reserve) >= need:
+            return f"{what}, key tensor_parallel_size, use tensor_parallel_size={degree} or more"
+    return f"{what}, key gpu, choose a GPU with more memory or a smaller model"

@@ -1,0 +1,139 @@
+"""Command-line front end: subcommand word, then Hydra key=value overrides.
+
+Overrides are composed once with Hydra's compose API before the real `@hydra.main` app runs, so
+that an unknown group option, unknown key, malformed override or wrong type becomes one line
+`error: <what>, <where>, <fix>` with exit code 2 instead of Hydra's multi-line report.
+"""
+from __future__ import annotations
+
+import sys
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from sim.config import register_schemas
+from sim.errors import KvsimError
+
+CONFIG_MODULE = "scenarios"
+# Hydra flags that take a value, and those that do not; neither is an override.
+FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-dir",
+                    "-cd", "--info", "-i", "--experimental-rerun"}
+FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help", "--version",
+         "--run", "-r", "--shell-completion", "-sc"}
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def split_flags(argv: list[str]) -> list[str]:
+    overrides, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in FLAGS_WITH_VALUE:
+            skip = True
+        elif arg in FLAGS or arg.startswith("--info="):
+            continue
+        elif arg.startswith("-") and "=" not in arg:
+            fail(f"unknown option '{arg}', command line, use key=value overrides "
+                 f"(see --help)")
+        else:
+            overrides.append(arg)
+    return overrides
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].startswith("Error merging override") and exc.__cause__ is not None:
+        return _first_line(exc.__cause__)  # the reason, e.g. a value that is not an integer
+    return lines[0]
+
+
+def _explain(exc: Exception, override: str | None) -> str:
+    where = f"override '{override}'" if override else "command line"
+    if isinstance(exc, MissingConfigException) and exc.options is not None:
+        group = (exc.missing_cfg_file or "").split("/")[0] or "group"
+        wanted = (exc.missing_cfg_file or "").split("/", 1)[-1]
+        return (f"unknown {group} '{wanted}', {where}, use one of: "
+                f"{', '.join(sorted(exc.options))}")
+    if isinstance(exc, OverrideParseException):
+        return f"malformed override ({_first_line(exc)}), {where}, write key=value (e.g. seed=7)"
+    line = _first_line(exc)
+    if "Could not override" in line or "not in struct" in line or "Key '" in line and "not" in line:
+        return (f"{line.rstrip('.')}, {where}, check the key's spelling "
+                f"(python -m sim <command> --cfg job lists them) or add a new key with +key=value")
+    return f"{line.rstrip('.')}, {where}, fix the value"
+
+
+def _sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
+    """Plain override lists to compose: sweeps (a,b,c / range / choice) expanded one value at a time."""
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_override(text))
+        except HydraException as exc:
+            fail(f"malformed override ({_first_line(exc)}), override '{text}', "
+                 f"write key=value (e.g. seed=7)")
+    base, variants = [], []
+    for override in parsed:
+        if override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+            key = override.get_key_element()
+            base.append(f"{key}={values[0]}")
+            variants.append((len(base) - 1, key, values[1:], override.input_line))
+        else:
+            base.append(override.input_line)
+    combos = [(base, None)]
+    for index, key, values, line in variants:
+        for value in values:
+            combo = list(base)
+            combo[index] = f"{key}={value}"
+            combos.append((combo, line))
+    return combos
+
+
+def validate(config_name: str, overrides: list[str]) -> None:
+    register_schemas()
+    for combo, origin in _sweep_variants(overrides):
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                compose(config_name=config_name, overrides=combo, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException, ValueError) as exc:
+            fail(_explain(exc, origin or _guilty(config_name, combo)))
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def _guilty(config_name: str, overrides: list[str]) -> str | None:
+    """The first override that fails on its own, to name it in the error line."""
+    for override in overrides:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                compose(config_name=config_name, overrides=[override], return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - any failure names this override
+            return override
+        finally:
+            GlobalHydra.instance().clear()
+    return None
+
+
+def guarded(task):
+    """Wrap a Hydra task so that the project's typed errors print one line and exit 2."""
+    def wrapper(cfg):
+        try:
+            return task(cfg)
+        except KvsimError as exc:
+            fail(str(exc))
+    wrapper.__name__ = task.__name__
+    wrapper.__doc__ = task.__doc__
+    return wrapper

@@ -1,0 +1,74 @@
+"""The Hydra task functions behind each subcommand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sim.errors import ConfigError
+from sim.models import model_from_dict, resolve_kv_dtype
+
+GiB = 2**30
+
+
+def run_task(cfg: DictConfig) -> None:
+    """Simulate the scenario once per allocator; write results, plots and comparison.csv."""
+    from sim.report import format_table, plot_comparison
+    from sim.results import write_run
+    from sim.run import run_all
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    results = run_all(cfg)
+    comparison = write_run(out_dir, results, cfg)
+    if cfg.plots:
+        plot_comparison(comparison, out_dir / "comparison.png")
+    if not cfg.quiet:
+        choices = HydraConfig.get().runtime.choices
+        print(f"scenario={choices.get('scenario')} model={choices.get('model')} gpu={cfg.gpu} "
+              f"tensor_parallel_size={cfg.tensor_parallel_size} "
+              f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
+        print(format_table(comparison))
+        print(f"results: {out_dir}")
+
+
+def kv_task(cfg: DictConfig) -> None:
+    """Print a model's KV bytes per token and the cache size for tokens x batch."""
+    model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    if cfg.tokens < 0 or cfg.batch < 1 or cfg.tensor_parallel_size < 1:
+        raise ConfigError("tokens must be >= 0, batch and tensor_parallel_size >= 1, "
+                          "command line, fix tokens=, batch= or tensor_parallel_size=")
+    if cfg.format not in ("text", "json"):
+        raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
+    kv_dtype = resolve_kv_dtype(model, cfg.kv_cache_dtype)
+    per_token = model.kv_bytes_per_token(kv_dtype)
+    total = per_token * cfg.tokens * cfg.batch
+    stored = total * model.kv_replication(cfg.tensor_parallel_size)
+    result = {
+        "model": model.name, "attention": model.attention, "kv_dtype": kv_dtype,
+        "tokens": cfg.tokens, "batch": cfg.batch,
+        "kv_bytes_per_token": per_token, "kv_cache_bytes": total,
+        "kv_cache_gib": round(total / GiB, 2),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "kv_cache_bytes_stored_across_tp": int(stored),
+    }
+    if cfg.format == "json":
+        print(json.dumps(result))
+        return
+    print(f"model: {model.name} ({model.attention}, {model.num_kv_layers} KV layers, "
+          f"{model.kv_elements_per_token_per_layer} elements/token/layer, {kv_dtype})")
+    print(f"kv_bytes_per_token: {per_token:,}")
+    print(f"kv_cache: {total / GiB:.2f} GiB ({cfg.tokens:,} tokens x {cfg.batch} sequences)")
+    if cfg.tensor_parallel_size > 1:
+        print(f"stored across tensor_parallel_size={cfg.tensor_parallel_size}: "
+              f"{stored / GiB:.2f} GiB")
+
+
+def report_task(cfg: DictConfig) -> None:
+    """Redraw plots and write the memory breakdown CSV of a finished run."""
+    from sim.report import report
+
+    run_dir = report(Path(cfg.run_dir))
+    print(f"wrote {run_dir / 'memory_breakdown.png'}, {run_dir / 'kv_usage.png'}, "
+          f"{run_dir / 'memory_breakdown.csv'}")

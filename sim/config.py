@@ -1,0 +1,129 @@
+"""Config schemas (Hydra ConfigStore) and the frozen runtime spec built after composition.
+
+The schemas give Hydra types and the set of allowed keys (an unknown key or a wrongly typed value
+fails composition); the YAML files under `scenarios/` give the defaults. Group configs whose
+shape varies (scenario, model, allocator) are validated when they are turned into runtime objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from sim.errors import ConfigError
+
+
+@dataclass
+class ClusterConfig:
+    num_replicas: int = MISSING
+
+
+@dataclass
+class RunConfig:
+    scenario: Any = MISSING
+    model: Any = MISSING
+    scheduler: Any = MISSING
+    router: Any = MISSING
+    gpu: str = MISSING
+    seed: int = MISSING
+    tensor_parallel_size: int = MISSING
+    block_size: int = MISSING
+    max_num_seqs: int = MISSING
+    max_num_batched_tokens: int = MISSING
+    gpu_memory_utilization: float = MISSING
+    enable_prefix_caching: bool = MISSING
+    enable_chunked_prefill: bool = MISSING
+    kv_cache_dtype: str = MISSING
+    max_model_len: int = MISSING
+    kv_cache_memory_bytes: Optional[int] = None
+    activation_reserve_bytes: int = MISSING
+    allocators: List[str] = MISSING
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plots: bool = True
+    quiet: bool = False
+
+
+@dataclass
+class KvConfig:
+    model: Any = MISSING
+    tokens: int = MISSING
+    batch: int = MISSING
+    kv_cache_dtype: str = MISSING
+    tensor_parallel_size: int = MISSING
+    format: str = MISSING
+
+
+@dataclass
+class ReportConfig:
+    run_dir: str = MISSING
+
+
+def register_schemas() -> None:
+    """Called by the CLI before composing; nothing is registered at import time."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    store.store(name="kv_schema", node=KvConfig)
+    store.store(name="report_schema", node=ReportConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """The runtime knobs every replica shares, after validation."""
+    gpu: str
+    seed: int
+    tensor_parallel_size: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    kv_cache_dtype: str
+    max_model_len: int
+    kv_cache_memory_bytes: Optional[int]
+    activation_reserve_bytes: int
+    num_replicas: int
+    allocators: tuple[str, ...]
+
+
+def _require(condition: bool, key: str, what: str, fix: str) -> None:
+    if not condition:
+        raise ConfigError(f"{what}, key {key}, {fix}")
+
+
+def engine_spec(cfg: DictConfig) -> EngineSpec:
+    c = OmegaConf.to_container(cfg, resolve=True)
+    _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
+             f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
+    _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",
+             "use 1 to 1024 (vLLM uses 16)")
+    _require(c["max_num_seqs"] >= 1, "max_num_seqs", f"max_num_seqs={c['max_num_seqs']} is below 1",
+             "use a positive integer")
+    _require(c["max_model_len"] >= 1, "max_model_len", f"max_model_len={c['max_model_len']} is below 1",
+             "use a positive integer")
+    _require(c["max_num_batched_tokens"] >= 1, "max_num_batched_tokens",
+             f"max_num_batched_tokens={c['max_num_batched_tokens']} is below 1", "use a positive integer")
+    _require(c["enable_chunked_prefill"] or c["max_num_batched_tokens"] >= c["max_model_len"],
+             "max_num_batched_tokens",
+             f"without chunked prefill max_num_batched_tokens={c['max_num_batched_tokens']} cannot "
+             f"hold a max_model_len={c['max_model_len']} prompt",
+             "raise it to max_model_len or set enable_chunked_prefill=true")
+    _require(0 < c["gpu_memory_utilization"] <= 1, "gpu_memory_utilization",
+             f"gpu_memory_utilization={c['gpu_memory_utilization']} is not in (0, 1]", "use e.g. 0.9")
+    _require(c["cluster"]["num_replicas"] >= 1, "cluster.num_replicas",
+             f"cluster.num_replicas={c['cluster']['num_replicas']} is below 1", "use a positive integer")
+    _require(len(c["allocators"]) > 0, "allocators", "allocators is empty", "list at least one, e.g. [paged]")
+    _require(c["kv_cache_memory_bytes"] is None or c["kv_cache_memory_bytes"] > 0, "kv_cache_memory_bytes",
+             "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
+    return EngineSpec(
+        gpu=c["gpu"], seed=c["seed"], tensor_parallel_size=c["tensor_parallel_size"],
+        block_size=c["block_size"], max_num_seqs=c["max_num_seqs"],
+        max_num_batched_tokens=c["max_num_batched_tokens"],
+        gpu_memory_utilization=c["gpu_memory_utilization"],
+        enable_prefix_caching=c["enable_prefix_caching"],
+        enable_chunked_prefill=c["enable_chunked_prefill"], kv_cache_dtype=c["kv_cache_dtype"],
+        max_model_len=c["max_model_len"], kv_cache_memory_bytes=c["kv_cache_memory_bytes"],
+        activation_reserve_bytes=c["activation_reserve_bytes"],
+        num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]))

@@ -1,0 +1,46 @@
+"""The cluster: session arrivals, routing, and follow-up turns after think time."""
+from __future__ import annotations
+
+import simpy
+
+from sim.scheduler import Sequence
+from sim.workload.request import Session, Workload
+
+
+class Cluster:
+    def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int):
+        self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
+        self.replicas = []
+        self._sessions: dict[int, Session] = {}
+
+    def add_replica(self, replica) -> None:
+        self.replicas.append(replica)
+
+    def start(self, workload: Workload) -> None:
+        sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id))
+        self._sessions = {s.session_id: s for s in sessions}
+        self.env.process(self._arrivals(sessions))
+
+    def _arrivals(self, sessions):
+        env = self.env
+        for session in sessions:
+            if session.arrival_time_s > env.now:
+                yield env.timeout(session.arrival_time_s - env.now)
+            self._submit(session, 0)
+
+    def _submit(self, session: Session, turn: int) -> None:
+        request = session.turns[turn]
+        if request.prompt_len > self.max_model_len:
+            # As vLLM rejects such a prompt; the session cannot continue past it.
+            self.recorder.record_rejected(request, self.env.now)
+            return
+        seq = Sequence(request, self.env.now, self.max_model_len)
+        self.replicas[self.router(self.replicas, request)].submit(seq)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.recorder.record_finished(seq)
+        session = self._sessions[seq.request.session_id]
+        turn = seq.request.turn + 1
+        if turn < len(session.turns):
+            delay = self.env.timeout(session.turns[turn].think_time_s)
+            delay.callbacks.append(lambda _event: self._submit(session, turn))

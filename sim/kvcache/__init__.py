@@ -1,0 +1,15 @@
+"""KV-cache allocators: mechanism only, no SimPy, no policy imports.
+
+Every allocator answers the same ask-then-act calls:
+
+    lookup_prefix(seq)                 -> PrefixHit (0 tokens when nothing is cached)
+    allocate(seq, num_new_tokens, hit) -> tuple of new block ids / extents, or None if it does not fit
+    free(seq)
+    usage(first_waiting)               -> KVUsage, the memory breakdown of DESIGN.md
+
+`seq` is any object with `seq_id`, `request` (for prefix keys), `num_tokens` (tokens known so
+far) and `final_len` (L = min(prompt + output, max_model_len)).
+"""
+from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit
+
+__all__ = ["KVUsage", "PrefixHit", "NO_HIT"]

@@ -1,0 +1,152 @@
+"""Contiguous per-request reservation (Orca / FasterTransformer style) on a linear address space.
+
+Each sequence reserves one extent of token slots when first admitted and keeps it until it
+finishes or is preempted. Placement is first-fit over the free extents, which coalesce on free,
+so external fragmentation is measured from the actual holes, not assumed.
+
+    reserve = max     -> max_model_len slots (the core's `contiguous`)
+    reserve = pow2    -> next power of two of the sequence's final length L, at most max_model_len
+    reserve = oracle  -> exactly L
+
+    address space:  [ seq 3 ######.... ][ hole ][ seq 8 ####...... ][ hole ............ ]
+                      computed ^ reserved         free extents are (start, length), sorted
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from sim.errors import ConfigError
+from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+
+RESERVE_POLICIES = ("max", "pow2", "oracle")
+
+
+def reservation(policy: str, final_len: int, max_model_len: int) -> int:
+    if policy == "max":
+        return max_model_len
+    if policy == "pow2":
+        return min(max_model_len, 1 << max(0, final_len - 1).bit_length())
+    return final_len
+
+
+class ContiguousAllocator:
+    def __init__(self, num_slots: int, max_model_len: int, reserve: str = "max",
+                 placement: str = "first_fit"):
+        if reserve not in RESERVE_POLICIES:
+            raise ConfigError(f"unknown reserve policy '{reserve}', allocator config key reserve, "
+                              f"use one of: {', '.join(RESERVE_POLICIES)}")
+        if placement != "first_fit":
+            raise ConfigError(f"unknown placement '{placement}', allocator config key placement, "
+                              f"use first_fit")
+        self.num_slots, self.max_model_len, self.reserve = num_slots, max_model_len, reserve
+        self.hole_starts: list[int] = [0]
+        self.hole_lengths: dict[int, int] = {0: num_slots}
+        self.extents: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
+        self.num_allocated_tokens: dict[int, int] = {}
+        self.final_len: dict[int, int] = {}
+        self.total_tokens = 0
+        self.total_reserved = 0
+        self.total_internal = 0
+
+    @classmethod
+    def from_pool(cls, pool, max_model_len: int, reserve: str = "max",
+                  placement: str = "first_fit") -> "ContiguousAllocator":
+        return cls(pool.num_token_slots, max_model_len, reserve, placement)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots
+
+    def lookup_prefix(self, seq) -> PrefixHit:
+        return NO_HIT
+
+    def reservation_of(self, seq) -> int:
+        return reservation(self.reserve, seq.final_len, self.max_model_len)
+
+    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT):
+        seq_id = seq.seq_id
+        extent = self.extents.get(seq_id)
+        if extent is None:
+            length = self.reservation_of(seq)
+            start = self._first_fit(length)
+            if start is None:
+                return None
+            self._take(start, length)
+            extent = self.extents[seq_id] = (start, length)
+            self.num_allocated_tokens[seq_id] = 0
+            self.final_len[seq_id] = seq.final_len
+            new, before = (extent,), 0
+        else:
+            new, before = (), self.num_allocated_tokens[seq_id]
+            self._drop_slack(seq_id, before)
+        after = before + num_new_tokens
+        if after > extent[1]:
+            raise AssertionError(f"sequence {seq_id} outgrew its reservation of {extent[1]} slots")
+        self.num_allocated_tokens[seq_id] = after
+        self.total_tokens += num_new_tokens
+        self._add_slack(seq_id, after)
+        return new
+
+    def free(self, seq) -> None:
+        seq_id = seq.seq_id
+        start, length = self.extents.pop(seq_id)
+        tokens = self.num_allocated_tokens[seq_id]
+        self._drop_slack(seq_id, tokens, length)
+        self.total_tokens -= tokens
+        del self.num_allocated_tokens[seq_id], self.final_len[seq_id]
+        self._release(start, length)
+
+    def usage(self, first_waiting=None) -> KVUsage:
+        num_free = sum(self.hole_lengths.values())
+        external = 0
+        if first_waiting is not None:
+            need = self.reservation_of(first_waiting)
+            external = sum(n for n in self.hole_lengths.values() if n < need)
+        return KVUsage(capacity=self.num_slots, token_states=self.total_tokens,
+                       reserved=self.total_reserved, internal_frag=self.total_internal,
+                       external_frag=external, cached_idle=0, free=num_free - external)
+
+    def holes(self) -> list[tuple[int, int]]:
+        return [(s, self.hole_lengths[s]) for s in self.hole_starts]
+
+    # -- mechanics ---------------------------------------------------------------------------
+    def _first_fit(self, length: int) -> int | None:
+        for start in self.hole_starts:
+            if self.hole_lengths[start] >= length:
+                return start
+        return None
+
+    def _take(self, start: int, length: int) -> None:
+        hole = self.hole_lengths.pop(start)
+        index = bisect_left(self.hole_starts, start)
+        if hole == length:
+            del self.hole_starts[index]
+        else:
+            self.hole_starts[index] = start + length
+            self.hole_lengths[start + length] = hole - length
+
+    def _release(self, start: int, length: int) -> None:
+        index = bisect_left(self.hole_starts, start)
+        if index < len(self.hole_starts) and self.hole_starts[index] == start + length:
+            length += self.hole_lengths.pop(self.hole_starts.pop(index))
+        if index > 0:
+            prev = self.hole_starts[index - 1]
+            if prev + self.hole_lengths[prev] == start:
+                self.hole_lengths[prev] += length
+                return
+        self.hole_starts.insert(index, start)
+        self.hole_lengths[start] = length
+
+    def _slack(self, seq_id: int, tokens: int, length: int | None = None) -> tuple[int, int]:
+        length = self.extents[seq_id][1] if length is None else length
+        return slack_split(length, tokens, self.final_len[seq_id])
+
+    def _add_slack(self, seq_id, tokens) -> None:
+        reserved, internal = self._slack(seq_id, tokens)
+        self.total_reserved += reserved
+        self.total_internal += internal
+
+    def _drop_slack(self, seq_id, tokens, length=None) -> None:
+        reserved, internal = self._slack(seq_id, tokens, length)
+        self.total_reserved -= reserved
+        self.total_internal -= internal

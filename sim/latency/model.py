@@ -1,0 +1,119 @@
+"""Per-operator step time: each operator takes t0 + max(compute time, memory time).
+
+    compute time = FLOPs / (peak FLOP/s * compute efficiency)
+    memory time  = bytes / (HBM bandwidth * memory efficiency)
+
+per layer, per tensor-parallel rank, for one engine step (one forward pass over every scheduled
+token). Operators: attention projections (QKV + output), MLP (dense or the experts a batch touches),
+LM head over the sampled positions, prefill attention (FLOPs of the causal chunk against its cached
+context), decode attention (KV bytes read), two ring all-reduces per layer, and a fixed overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.latency.profile import GpuProfile
+from sim.models import DTYPE_BYTES, ModelSpec
+
+ACTIVATION_BYTES = 2  # bf16 activations
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What one engine step computes, aggregated over its sequences.
+
+    prefill_attention_pairs: sum over prefill chunks of q * (c + (q + 1) / 2), the query-key pairs
+    of a causal chunk of q new tokens after c cached ones.
+    prefill_kv_tokens: sum over prefill chunks of c + q (KV read and written).
+    decode_context_tokens: sum over decode sequences of their context including the new token.
+    num_sampled: sequences whose logits are computed this step.
+    """
+    num_prefill_tokens: int = 0
+    prefill_attention_pairs: float = 0.0
+    prefill_kv_tokens: int = 0
+    num_decode_seqs: int = 0
+    decode_context_tokens: int = 0
+    num_sampled: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+
+class LatencyModel:
+    """step_time(shape) for one model on one TP group of one GPU kind; pure and cheap."""
+
+    def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
+                 kv_dtype: str):
+        self.model, self.profile, self.tp = model, profile, tensor_parallel_size
+        tp = tensor_parallel_size
+        self.weight_bytes_per_param = DTYPE_BYTES[model.weight_dtype]
+        self.gemm_peak = profile.peak_flops(model.weight_dtype)
+        self.attn_peak = profile.bf16_flops_per_s
+        self.bw = profile.hbm_bandwidth_bytes_per_s
+        self.heads_per_rank = model.num_heads / tp
+        kv_split = 1 if model.is_mla else min(tp, model.num_kv_heads)
+        self.kv_bytes_per_token_layer_rank = (
+            model.kv_elements_per_token_per_layer * DTYPE_BYTES[kv_dtype] / kv_split)
+        self.attn_params_rank = model.attention_params_per_layer / tp
+        self.dense_mlp_params_rank = model.dense_mlp_params_per_layer / tp
+        self.expert_params_rank = model.expert_params / tp
+        self.lm_head_params_rank = model.hidden_size * model.vocab_size / tp
+        self.num_dense_layers = model.num_layers - model.num_moe_layers
+        self.prefill_dims = sum(model.attention_dims(decode=False))
+        self.decode_dims = sum(model.attention_dims(decode=True))
+
+    def _op(self, name: str, flops: float, nbytes: float, peak: float) -> float:
+        eff = self.profile.op(name)
+        return eff.t0_s + max(flops / (peak * eff.compute_efficiency),
+                              nbytes / (self.bw * eff.memory_efficiency))
+
+    def _gemm(self, tokens: int, params: float) -> float:
+        nbytes = params * self.weight_bytes_per_param + 2 * tokens * self.model.hidden_size * ACTIVATION_BYTES
+        return self._op("gemm", 2.0 * tokens * params, nbytes, self.gemm_peak)
+
+    def _mlp_moe(self, tokens: int) -> float:
+        m = self.model
+        # Expected distinct routed experts touched by `tokens` tokens choosing k of E each.
+        touched = m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** tokens)
+        weights = (touched + m.num_shared_experts) * self.expert_params_rank
+        flops = 2.0 * tokens * (m.num_active_experts + m.num_shared_experts) * self.expert_params_rank
+        nbytes = weights * self.weight_bytes_per_param + 2 * tokens * m.hidden_size * ACTIVATION_BYTES
+        return self._op("gemm", flops, nbytes, self.gemm_peak)
+
+    def breakdown(self, shape: BatchShape) -> dict[str, float]:
+        """Seconds per operator for one step; their sum is step_time(shape)."""
+        m, tokens = self.model, shape.num_tokens
+        if tokens == 0:
+            return {"overhead": self.profile.step_overhead_s}
+        times = {
+            "qkv_o_proj": m.num_layers * self._gemm(tokens, self.attn_params_rank),
+            "mlp": self.num_dense_layers * self._gemm(tokens, self.dense_mlp_params_rank)
+            + (m.num_moe_layers * self._mlp_moe(tokens) if m.num_moe_layers else 0.0),
+            "lm_head": self._gemm(shape.num_sampled, self.lm_head_params_rank) if shape.num_sampled else 0.0,
+            "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": 0.0,
+            "overhead": self.profile.step_overhead_s,
+        }
+        if shape.num_prefill_tokens:
+            flops = 2.0 * self.heads_per_rank * self.prefill_dims * shape.prefill_attention_pairs
+            nbytes = shape.prefill_kv_tokens * self.kv_bytes_per_token_layer_rank
+            times["attention_prefill"] = m.num_layers * self._op(
+                "attention_prefill", flops, nbytes, self.attn_peak)
+        if shape.num_decode_seqs:
+            flops = 2.0 * self.heads_per_rank * self.decode_dims * shape.decode_context_tokens
+            nbytes = shape.decode_context_tokens * self.kv_bytes_per_token_layer_rank
+            times["attention_decode"] = m.num_layers * self._op(
+                "attention_decode", flops, nbytes, self.attn_peak)
+        if self.tp > 1:
+            times["allreduce"] = 2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
+        return times
+
+    def _allreduce(self, message_bytes: float) -> float:
+        """Ring all-reduce: 2(n-1)/n of the message per GPU over one direction of the link."""
+        eff = self.profile.op("allreduce")
+        per_direction = self.profile.link_bandwidth_bytes_per_s / 2
+        moved = 2 * (self.tp - 1) / self.tp * message_bytes
+        return eff.t0_s + moved / (per_direction * eff.memory_efficiency)
+
+    def step_time(self, shape: BatchShape) -> float:
+        return sum(self.breakdown(shape).values())

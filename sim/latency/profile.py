@@ -1,0 +1,101 @@
+"""GPU profiles: datasheet figures plus per-operator efficiencies, read from JSON only.
+
+A profile named `<gpu>` is looked up first in `results/calibration/<gpu>/profile.json` under the
+current directory (what `python -m calibration run` writes), then among the packaged profiles in
+`calibration/profiles/`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from sim.errors import ConfigError, UnknownNameError
+
+OPERATORS = ("gemm", "attention_prefill", "attention_decode", "allreduce")
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorEfficiency:
+    compute_efficiency: float
+    memory_efficiency: float
+    t0_s: float
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    name: str
+    gpu_name: str
+    source: str
+    memory_bytes: float
+    hbm_bandwidth_bytes_per_s: float
+    bf16_flops_per_s: float
+    fp8_flops_per_s: float | None
+    link_bandwidth_bytes_per_s: float
+    host_link_bytes_per_s: float
+    host_link_latency_s: float
+    step_overhead_s: float
+    operators: dict
+
+    def op(self, name: str) -> OperatorEfficiency:
+        return self.operators[name]
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype == "fp8" and self.fp8_flops_per_s:
+            return self.fp8_flops_per_s
+        return self.bf16_flops_per_s
+
+
+def _local_path(name: str) -> Path:
+    return Path("results") / "calibration" / name / "profile.json"
+
+
+def available_profiles() -> list[str]:
+    names = {p.name[:-5] for p in (resources.files("calibration") / "profiles").iterdir()
+             if p.name.endswith(".json")}
+    local = Path("results") / "calibration"
+    if local.is_dir():
+        names |= {p.parent.name for p in local.glob("*/profile.json")}
+    return sorted(names)
+
+
+def load_profile(name: str) -> GpuProfile:
+    local = _local_path(name)
+    if local.is_file():
+        text, where = local.read_text(), str(local)
+    else:
+        packaged = resources.files("calibration") / "profiles" / f"{name}.json"
+        if not packaged.is_file():
+            raise UnknownNameError("gpu profile", name, available_profiles(), "key gpu")
+        text, where = packaged.read_text(), f"calibration/profiles/{name}.json"
+    try:
+        return profile_from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"malformed GPU profile ({exc}), {where}, "
+                          f"rerun 'python -m calibration fit' or restore the file") from None
+
+
+def profile_from_dict(data: dict) -> GpuProfile:
+    ops = {}
+    for op in OPERATORS:
+        raw = data["operators"][op]
+        ops[op] = OperatorEfficiency(
+            compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
+            memory_efficiency=float(raw.get("memory_efficiency", raw.get("link_efficiency", 1.0))),
+            t0_s=float(raw["t0_s"]),
+            source=str(raw.get("source", data["source"])),
+        )
+    return GpuProfile(
+        name=data["name"], gpu_name=data["gpu_name"], source=data["source"],
+        memory_bytes=float(data["memory_bytes"]),
+        hbm_bandwidth_bytes_per_s=float(data["hbm_bandwidth_bytes_per_s"]),
+        bf16_flops_per_s=float(data["bf16_flops_per_s"]),
+        fp8_flops_per_s=float(data["fp8_flops_per_s"]) if data.get("fp8_flops_per_s") else None,
+        link_bandwidth_bytes_per_s=float(data["link_bandwidth_bytes_per_s"]),
+        host_link_bytes_per_s=float(data["host_link_bytes_per_s"]),
+        host_link_latency_s=float(data.get("host_link_latency_s", 0.0)),
+        step_overhead_s=float(data["step_overhead_s"]),
+        operators=ops,
+    )

@@ -1,0 +1,182 @@
+"""Model specs and their KV-cache footprint.
+
+KV bytes = 2 * B * L * H_kv * d_h * t * s (REFERENCE.md section 1). The four shrinking axes map
+onto the spec: GQA/MQA lower `num_kv_heads`; CLA divides the layers that store KV by
+`cla_share_factor`; MLA replaces 2 * H_kv * d_h by `kv_lora_rank + qk_rope_head_dim`; FP8 halves s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+from omegaconf import OmegaConf
+
+from sim.errors import ConfigError, UnknownNameError
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
+# vLLM's kv_cache_dtype values; "auto" keeps the model's own KV dtype.
+KV_CACHE_DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8",
+                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: float
+    attention: str = "gqa"
+    gated_mlp: bool = True
+    # MLA (DeepSeek-V2/V3): the cached latent and the decoupled RoPE key.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # CLA: only every c-th layer produces K/V.
+    cla_share_factor: int = 1
+    # Mixture of experts; layers before num_dense_layers use intermediate_size.
+    num_experts: int = 0
+    num_active_experts: int = 0
+    num_shared_experts: int = 0
+    expert_intermediate_size: int = 0
+    num_dense_layers: int = 0
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    max_position_embeddings: int = 0
+
+    def __post_init__(self):
+        where = f"model '{self.name}'"
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention kind '{self.attention}' is not one of "
+                              f"{', '.join(ATTENTION_KINDS)}, {where}, fix the model YAML")
+        for dtype in (self.weight_dtype, self.kv_dtype):
+            if dtype not in ("bf16", "fp16", "fp8"):
+                raise ConfigError(f"dtype '{dtype}' is not bf16, fp16 or fp8, {where}, "
+                                  f"fix the model YAML")
+        if self.attention == "mla" and self.kv_lora_rank <= 0:
+            raise ConfigError(f"mla needs kv_lora_rank > 0, {where}, fix the model YAML")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                              f"{self.num_kv_heads}, {where}, fix the model YAML")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def num_kv_layers(self) -> int:
+        return math.ceil(self.num_layers / self.cla_share_factor)
+
+    @property
+    def kv_elements_per_token_per_layer(self) -> int:
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
+        """Bytes of KV cache one token occupies across the whole model (one copy)."""
+        dtype = kv_dtype or self.kv_dtype
+        return self.num_kv_layers * self.kv_elements_per_token_per_layer * DTYPE_BYTES[dtype]
+
+    def kv_replication(self, tensor_parallel_size: int) -> float:
+        """How many copies of each token's KV a TP group stores (REFERENCE.md section 1).
+
+        KV heads split across ranks when TP <= H_kv; beyond that each rank keeps a whole head, so
+        heads are replicated TP / H_kv times; MLA's single latent lives on every rank.
+        """
+        if self.is_mla:
+            return float(tensor_parallel_size)
+        return max(1.0, tensor_parallel_size / self.num_kv_heads)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * DTYPE_BYTES[self.weight_dtype]
+
+    # Parameters touched by one token, for FLOPs (2 per multiply-add) and weight traffic.
+    @property
+    def attention_params_per_layer(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        if self.is_mla:
+            qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_dim
+                 if self.q_lora_rank else h * self.num_heads * qk_dim)
+            kv = (h * (self.kv_lora_rank + self.qk_rope_head_dim)
+                  + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
+            return q + kv + self.num_heads * self.v_head_dim * h
+        return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+
+    def _mlp_params(self, intermediate: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * intermediate
+
+    @property
+    def dense_mlp_params_per_layer(self) -> int:
+        return self._mlp_params(self.intermediate_size)
+
+    @property
+    def expert_params(self) -> int:
+        return self._mlp_params(self.expert_intermediate_size)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+
+    @property
+    def active_linear_params_per_token(self) -> int:
+        """Linear-layer parameters one token multiplies through (no embeddings, no LM head)."""
+        dense_layers = self.num_layers - self.num_moe_layers
+        moe = self.num_moe_layers * (self.num_active_experts + self.num_shared_experts) * self.expert_params
+        return (self.num_layers * self.attention_params_per_layer
+                + dense_layers * self.dense_mlp_params_per_layer + moe)
+
+    def attention_dims(self, decode: bool) -> tuple[int, int]:
+        """(query-key width, value width) per head, as the attention kernel sees them.
+
+        MLA decodes with absorbed projections in the 512 + 64 latent space and prefills with the
+        decompressed 192-wide keys and 128-wide values (REFERENCE.md section 1).
+        """
+        if self.is_mla:
+            if decode:
+                return self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
+
+def resolve_kv_dtype(model: ModelSpec, kv_cache_dtype: str) -> str:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype '{kv_cache_dtype}' is unknown, key kv_cache_dtype, "
+                          f"use one of: {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model.kv_dtype
+
+
+def model_from_dict(values: dict) -> ModelSpec:
+    known = set(ModelSpec.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    name = values.get("name", "?")
+    if unknown:
+        raise ConfigError(f"unknown model field(s) {', '.join(unknown)}, model '{name}', "
+                          f"use only: {', '.join(sorted(known))}")
+    try:
+        return ModelSpec(**values)
+    except TypeError as exc:
+        raise ConfigError(f"incomplete model spec ({exc}), model '{name}', fix the model YAML") from None
+
+
+def available_models() -> list[str]:
+    folder = resources.files("scenarios") / "model"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_model(name: str) -> ModelSpec:
+    """Load `scenarios/model/<name>.yaml` (used by tools that take a model by name)."""
+    path = resources.files("scenarios") / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise UnknownNameError("model", name, available_models(), "key model")
+    return model_from_dict(OmegaConf.to_container(OmegaConf.load(str(path)), resolve=True))

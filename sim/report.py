@@ -1,0 +1,108 @@
+"""Plots and comparison tables from a run directory (or from results in memory)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from sim.errors import KvsimError
+from sim.results import COMPARISON_FILE, _atomic, write_csv
+
+BREAKDOWN = [("token_states", "token states", "#4C72B0"), ("reserved", "reserved", "#DD8452"),
+             ("internal_frag", "internal frag.", "#C44E52"),
+             ("external_frag", "external frag.", "#8172B3"),
+             ("cached_idle", "cached idle", "#55A868"), ("free", "free", "#D9D9D9")]
+TABLE_COLUMNS = {
+    "allocator": "allocator",
+    "kv.waste_frac": "waste",
+    "kv.token_states_frac": "token_states",
+    "prefix_cache.hit_rate": "hit_rate",
+    "throughput.output_tokens_per_s": "out_tok/s",
+    "throughput.requests_per_s": "req/s",
+    "latency_s.ttft.p50": "ttft_p50_s",
+    "latency_s.tpot.p50": "tpot_p50_s",
+    "latency_s.e2e.p90": "e2e_p90_s",
+    "scheduler.num_preemptions": "preempt",
+    "scheduler.mean_batch_size": "batch",
+    "num_finished": "finished",
+    "num_rejected": "rejected",
+}
+
+
+def format_table(comparison: pd.DataFrame) -> str:
+    table = comparison[list(TABLE_COLUMNS)].rename(columns=TABLE_COLUMNS)
+    return table.to_string(index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}")
+
+
+def _pyplot():
+    import logging
+
+    import matplotlib
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+
+
+def plot_comparison(comparison: pd.DataFrame, path: Path) -> None:
+    """Stacked KV memory breakdown and output throughput per allocator."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = comparison.allocator.tolist()
+    bottom = [0.0] * len(names)
+    for key, label, color in BREAKDOWN:
+        values = comparison[f"kv.{key}_frac"].tolist()
+        left.bar(names, values, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    left.set_ylabel("share of KV capacity (time-weighted)")
+    left.set_title("KV memory breakdown")
+    left.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    right.bar(names, comparison["throughput.output_tokens_per_s"], color="#4C72B0")
+    right.set_ylabel("output tokens / s")
+    right.set_title("Throughput")
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_kv_usage(timelines: dict[str, pd.DataFrame], path: Path) -> None:
+    """Share of KV capacity holding token states or allocated, over time, per allocator."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, timeline in timelines.items():
+        # Replicas step at different times; carry each replica's last sample forward.
+        wide = timeline.pivot_table(index="time_s", columns="replica",
+                                    values=["capacity", "free", "cached_idle"], aggfunc="last").ffill()
+        used = (wide["capacity"] - wide["free"] - wide["cached_idle"]).sum(axis=1) / wide["capacity"].sum(axis=1)
+        ax.step(used.index, used.values, where="post", label=name, linewidth=1)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("allocated share of KV capacity")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def report(run_dir: Path) -> Path:
+    """Redraw a run directory's plots and write its memory breakdown as CSV."""
+    comparison_path = run_dir / COMPARISON_FILE
+    if not comparison_path.is_file():
+        raise KvsimError(f"no {COMPARISON_FILE} in '{run_dir}', key run_dir, "
+                         f"pass a directory written by 'python -m sim run'")
+    comparison = pd.read_csv(comparison_path)
+    plot_comparison(comparison, run_dir / "memory_breakdown.png")
+    timelines = {}
+    for name in comparison.allocator:
+        path = run_dir / name / "timeline.parquet"
+        if path.is_file():
+            timelines[name] = pd.read_parquet(path)
+    if timelines:
+        plot_kv_usage(timelines, run_dir / "kv_usage.png")
+    columns = ["allocator"] + [f"kv.{key}_frac" for key, _, _ in BREAKDOWN] + ["kv.waste_frac"]
+    write_csv(run_dir / "memory_breakdown.csv", comparison[columns])
+    return run_dir

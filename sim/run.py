@@ -1,0 +1,136 @@
+"""Wires a composed config into components and runs one simulation per allocator.
+
+The only module that knows every other one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+import pandas as pd
+import simpy
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from sim.capacity import KvPool, size_kv_pool
+from sim.config import EngineSpec, engine_spec
+from sim.engine.cluster import Cluster
+from sim.engine.replica import Replica
+from sim.errors import ConfigError, UnknownNameError
+from sim.latency import LatencyModel, load_profile
+from sim.metrics import Recorder, summarize
+from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
+from sim.scheduler import Scheduler, SchedulerSpec
+from sim.workload.request import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    allocator: str
+    metrics: dict
+    requests: pd.DataFrame
+    timeline: pd.DataFrame
+    allocator_config: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    spec: EngineSpec
+    model: ModelSpec
+    kv_dtype: str
+    pool: KvPool
+    latency: LatencyModel
+    allocator_configs: dict
+
+
+def available_allocators() -> list[str]:
+    folder = resources.files("scenarios") / "allocator"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def allocator_names(spec: EngineSpec) -> list[str]:
+    names = []
+    for name in spec.allocators:
+        if spec.enable_prefix_caching and name == "paged":
+            name = "prefix"
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def load_allocator_config(name: str) -> DictConfig:
+    path = resources.files("scenarios") / "allocator" / f"{name}.yaml"
+    if not path.is_file():
+        raise UnknownNameError("allocator", name, available_allocators(), "key allocators")
+    return OmegaConf.load(str(path))
+
+
+def _instantiate(cfg, where: str, **kwargs):
+    """instantiate(cfg)(**kwargs); runtime objects are passed after composition, untouched."""
+    try:
+        return instantiate(cfg, _partial_=True)(**kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        detail = str(cause).splitlines()[0]
+        raise ConfigError(f"cannot build {where} ({detail}), {where}, fix or remove the offending key") from None
+
+
+def prepare(cfg: DictConfig) -> Setup:
+    """Validate everything that can fail before any simulation starts."""
+    spec = engine_spec(cfg)
+    model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    profile = load_profile(spec.gpu)
+    kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
+    pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
+                        kv_dtype=kv_dtype, block_size=spec.block_size,
+                        max_model_len=spec.max_model_len,
+                        gpu_memory_utilization=spec.gpu_memory_utilization,
+                        activation_reserve_bytes=spec.activation_reserve_bytes,
+                        kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
+    latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype)
+    configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
+    for name, allocator_cfg in configs.items():  # fail on a bad allocator config up front
+        _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
+                     max_model_len=spec.max_model_len)
+    return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+def build_workload(cfg: DictConfig, seed: int) -> Workload:
+    scenario = _instantiate(cfg.scenario, "scenario config")
+    return scenario.generate(seed)
+
+
+def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) -> RunResult:
+    started = time.perf_counter()
+    spec = setup.spec
+    env = simpy.Environment()
+    recorder = Recorder()
+    router = _instantiate(router_cfg, "router config")
+    cluster = Cluster(env, router, recorder, spec.max_model_len)
+    scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
+                                   spec.enable_chunked_prefill, spec.max_model_len)
+    allocator_cfg = setup.allocator_configs[allocator_name]
+    first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
+    for index in range(spec.num_replicas):
+        allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
+                                 pool=setup.pool, max_model_len=spec.max_model_len)
+        recorder.record_initial(index, first_arrival, allocator)
+        cluster.add_replica(Replica(env, index, Scheduler(scheduler_spec, allocator),
+                                    setup.latency, recorder, cluster.on_finish))
+    cluster.start(workload)
+    env.run()
+    requests, timeline = recorder.tables()
+    metrics = summarize(requests, timeline, wall_time_s=time.perf_counter() - started,
+                        gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source)
+    return RunResult(allocator_name, metrics, requests, timeline,
+                     OmegaConf.to_container(allocator_cfg, resolve=True))
+
+
+def run_all(cfg: DictConfig) -> list[RunResult]:
+    setup = prepare(cfg)
+    workload = build_workload(cfg, setup.spec.seed)
+    return [simulate(setup, workload, name, cfg.router) for name in setup.allocator_configs]

@@ -1,0 +1,145 @@
+"""vLLM-v1-style continuous batching planner.
+
+Each step has one token budget (max_num_batched_tokens) and at most max_num_seqs sequences.
+Running sequences are served first, in admission order; one that cannot get memory preempts the
+newest running sequence (recompute: its KV is freed and it goes to the front of the waiting
+queue), possibly itself. Waiting sequences are admitted in FCFS order only in steps without a
+preemption; the head of the queue blocks the rest when it does not fit. With chunked prefill a
+prompt is split across steps to fit the budget; without it a prompt is scheduled whole.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sim.latency.model import BatchShape
+from sim.scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSpec:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    scheduled: tuple[tuple[Sequence, int], ...]
+    shape: BatchShape
+    num_preempted: int
+
+
+class Scheduler:
+    def __init__(self, spec: SchedulerSpec, allocator):
+        self.spec, self.allocator = spec, allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def first_waiting(self) -> Sequence | None:
+        return self.waiting[0] if self.waiting else None
+
+    def schedule(self) -> StepPlan:
+        budget = self.spec.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        num_preempted = 0
+        running, allocate = self.running, self.allocator.allocate
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            while allocate(seq, num_new) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+        if not num_preempted or not scheduled:
+            budget = self._admit(scheduled, budget)
+        return StepPlan(tuple(scheduled), _shape(scheduled), num_preempted)
+
+    def _admit(self, scheduled: list, budget: int) -> int:
+        waiting, running, allocator = self.waiting, self.running, self.allocator
+        while waiting and budget > 0 and len(running) < self.spec.max_num_seqs:
+            seq = waiting[0]
+            hit = allocator.lookup_prefix(seq)
+            num_new = seq.num_tokens - hit.num_tokens
+            if num_new > budget:
+                if not self.spec.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if allocator.allocate(seq, num_new, hit) is None:
+                break
+            waiting.popleft()
+            seq.num_computed = hit.num_tokens
+            if not seq.admitted:
+                seq.admitted = True
+                seq.prefix_hit_tokens = hit.num_tokens
+            running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def commit(self, plan: StepPlan, now: float) -> list[Sequence]:
+        """Apply a step that ended at `now`; return the sequences that finished."""
+        finished = []
+        max_model_len = self.spec.max_model_len
+        for seq, num_new in plan.scheduled:
+            seq.num_computed += num_new
+            if seq.num_computed < seq.num_tokens:
+                continue
+            seq.num_tokens += 1
+            seq.num_output += 1
+            if seq.num_output == 1:
+                seq.first_token_time_s = now
+            if seq.num_output >= seq.request.output_len or seq.num_tokens >= max_model_len:
+                seq.finish_time_s = now
+                self.allocator.free(seq)
+                finished.append(seq)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+        return finished
+
+
+def _shape(scheduled) -> BatchShape:
+    prefill_tokens = prefill_kv = decode_seqs = decode_context = sampled = 0
+    pairs = 0.0
+    for seq, num_new in scheduled:
+        context = seq.num_computed
+        if context + num_new == seq.num_tokens:
+            sampled += 1
+            if num_new == 1 and seq.num_output:
+                decode_seqs += 1
+                decode_context += context + 1
+                continue
+        prefill_tokens += num_new
+        prefill_kv += context + num_new
+        pairs += num_new * (context + (num_new + 1) / 2)
+    return BatchShape(prefill_tokens, pairs, prefill_kv, decode_seqs, decode_context, sampled)

@@ -1,0 +1,1 @@
+"""Workloads: requests, sessions and the generators and readers that produce them."""

@@ -1,0 +1,81 @@
+"""Requests and sessions, with prompt identity as segments.
+
+A prompt is a sequence of segments (content_id, num_tokens): tokens 0..n-1 of that content. The
+prefix before segment j is interned to an integer (`PrefixInterner`), so the identity of the first
+e tokens of a prompt is the exact key (prefix id before the segment holding token e-1, content id,
+offset e - segment start). Keys are equal exactly when the token prefixes are equal, at any block
+size, with no hashing and so no collisions. Generated output is one more segment with the
+request's own content id, so a follow-up turn that quotes it shares its blocks.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+
+class PrefixInterner:
+    """Gives each distinct segment chain a small integer; 0 is the empty prefix."""
+
+    def __init__(self):
+        self._ids: dict[tuple[int, int, int], int] = {}
+
+    def extend(self, prefix_id: int, content_id: int, num_tokens: int) -> int:
+        key = (prefix_id, content_id, num_tokens)
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = len(self._ids) + 1
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    request_id: int
+    prompt_len: int
+    output_len: int
+    segments: tuple[tuple[int, int], ...]
+    # prefix_ids[j]: interned prefix before segment j; prefix_ids[-1]: the whole prompt.
+    prefix_ids: tuple[int, ...]
+    segment_starts: tuple[int, ...]
+    output_content_id: int
+    session_id: int = 0
+    turn: int = 0
+    # Delay between the previous turn's finish and this turn's arrival (tool call, thinking).
+    think_time_s: float = 0.0
+    n: int = 1
+
+    def prefix_key(self, end: int) -> tuple[int, int, int]:
+        """Identity of tokens [0, end), end >= 1, over prompt then generated output."""
+        if end > self.prompt_len:
+            return (self.prefix_ids[-1], self.output_content_id, end - self.prompt_len)
+        j = bisect_right(self.segment_starts, end - 1) - 1
+        return (self.prefix_ids[j], self.segments[j][0], end - self.segment_starts[j])
+
+
+def make_request(interner: PrefixInterner, request_id: int, segments, output_len: int,
+                 output_content_id: int, **extra) -> Request:
+    starts, prefix_ids, position, prefix = [], [0], 0, 0
+    for content_id, num_tokens in segments:
+        starts.append(position)
+        position += num_tokens
+        prefix = interner.extend(prefix, content_id, num_tokens)
+        prefix_ids.append(prefix)
+    return Request(request_id=request_id, prompt_len=position, output_len=output_len,
+                   segments=tuple(segments), prefix_ids=tuple(prefix_ids),
+                   segment_starts=tuple(starts), output_content_id=output_content_id, **extra)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """Turns that arrive one after another: turn k+1 after turn k finished plus its think time."""
+    session_id: int
+    arrival_time_s: float
+    turns: tuple[Request, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    sessions: tuple[Session, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
