@@ -101,12 +101,16 @@ class LatencyModel:
                 "attention_prefill", flops, nbytes, self.attn_peak)
         if shape.num_decode_seqs:
             flops = 2.0 * self.heads_per_rank * self.decode_dims * shape.decode_context_tokens
-            nbytes = shape.decode_context_tokens * self.kv_bytes_per_token_layer_rank
+            nbytes = self.decode_kv_bytes_per_layer(shape)
             times["attention_decode"] = m.num_layers * self._op(
                 "attention_decode", flops, nbytes, self.attn_peak)
         if self.tp > 1:
             times["allreduce"] = 2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
         return times
+
+    def decode_kv_bytes_per_layer(self, shape: BatchShape) -> float:
+        """KV bytes one rank reads per layer for the step's decode attention."""
+        return shape.decode_context_tokens * self.kv_bytes_per_token_layer_rank
 
     def _allreduce(self, message_bytes: float) -> float:
         """Ring all-reduce: 2(n-1)/n of the message per GPU over one direction of the link."""

@@ -1,0 +1,24 @@
+"""Small builders shared by the tests."""
+from __future__ import annotations
+
+from sim.workload.request import PrefixInterner, make_request
+
+_interner = PrefixInterner()
+
+
+class Seq:
+    """The attributes an allocator reads from a sequence."""
+
+    def __init__(self, seq_id, request, num_tokens=None, final_len=None):
+        self.seq_id = seq_id
+        self.request = request
+        self.num_tokens = request.prompt_len if num_tokens is None else num_tokens
+        self.final_len = final_len if final_len is not None else request.prompt_len + request.output_len
+
+
+def request(request_id: int, segments, output_len: int = 8, **extra):
+    return make_request(_interner, request_id, segments, output_len, 10_000 + request_id, **extra)
+
+
+def seq(seq_id: int, segments, output_len: int = 8, **kwargs) -> Seq:
+    return Seq(seq_id, request(seq_id, segments, output_len), **kwargs)

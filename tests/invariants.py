@@ -1,0 +1,66 @@
+"""Invariant checks run after every allocator operation in the tests."""
+from __future__ import annotations
+
+from collections import Counter
+
+from sim.kvcache.base import slack_split
+from sim.kvcache.block import BlockAllocator
+from sim.kvcache.contiguous import ContiguousAllocator
+
+
+def check_block_allocator(alloc: BlockAllocator, live: dict) -> None:
+    size = alloc.block_size
+    owners = Counter(b for table in alloc.tables.values() for b in table)
+    in_queue = set(alloc.free_queue)
+    assert len(in_queue) == len(alloc.free_queue)
+    for block in range(alloc.num_blocks):
+        assert alloc.ref_count[block] == owners[block], f"block {block}: ref count != owners"
+        assert (block in in_queue) == (owners[block] == 0), f"block {block}: leaked or double-owned"
+    for seq_id, table in alloc.tables.items():
+        assert len(set(table)) == len(table)
+        tokens = alloc.num_allocated_tokens[seq_id]
+        assert len(table) == -(-tokens // size), "a table holds a block it does not need"
+    assert set(alloc.tables) == set(live)
+    # Cached content always matches what a lookup returns.
+    for key, block in alloc.cached.items():
+        assert alloc.block_key[block] == key
+    for seq_id, table in alloc.tables.items():
+        request = live[seq_id].request
+        for i in range(alloc.num_keyed_blocks[seq_id]):
+            assert alloc.block_key[table[i]] == request.prefix_key((i + 1) * size)
+    assert alloc.num_cached_free == sum(1 for b in in_queue if alloc.block_key[b] is not None)
+    _check_usage(alloc, expected_token_states=_block_token_states(alloc))
+
+
+def _block_token_states(alloc: BlockAllocator) -> int:
+    size, slack = alloc.block_size, 0
+    for seq_id, table in alloc.tables.items():
+        reserved, internal = slack_split(len(table) * size, alloc.num_allocated_tokens[seq_id],
+                                         alloc.final_len[seq_id])
+        slack += reserved + internal
+    used = {b for table in alloc.tables.values() for b in table}
+    return len(used) * size - slack
+
+
+def check_contiguous_allocator(alloc: ContiguousAllocator, live: dict) -> None:
+    spans = sorted([*alloc.holes(), *alloc.extents.values()])
+    position = 0
+    for start, length in spans:  # holes and extents tile the address space exactly
+        assert start == position and length > 0
+        position += length
+    assert position == alloc.num_slots
+    holes = alloc.holes()
+    for (s1, n1), (s2, _) in zip(holes, holes[1:]):
+        assert s1 + n1 < s2, "adjacent holes were not coalesced"
+    assert set(alloc.extents) == set(live)
+    for seq_id, seq in live.items():
+        assert alloc.num_allocated_tokens[seq_id] == seq.num_allocated
+    _check_usage(alloc, expected_token_states=sum(alloc.num_allocated_tokens.values()))
+
+
+def _check_usage(alloc, expected_token_states: int) -> None:
+    usage = alloc.usage(None)
+    parts = usage.as_tuple()
+    assert all(p >= 0 for p in parts), usage
+    assert sum(parts) == usage.capacity
+    assert usage.token_states == expected_token_states

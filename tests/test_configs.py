@@ -1,0 +1,54 @@
+"""Every shipped config composes, and every option of every group builds its runtime object."""
+from importlib import resources
+
+import pytest
+
+from sim.run import build_workload, prepare
+from tests.conftest import compose_config
+
+
+def options(group: str) -> list[str]:
+    folder = resources.files("scenarios") / group
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("name", ["run", "kv", "report"])
+def test_primary_configs_compose(name):
+    overrides = ["run_dir=x"] if name == "report" else []
+    assert compose_config(name, overrides) is not None
+
+
+def test_main_job_defaults_follow_the_issue():
+    cfg = compose_config("run", [])
+    assert cfg.model.name == "llama3_70b" and cfg.gpu == "h100"
+    assert cfg.tensor_parallel_size == 4 and cfg.cluster.num_replicas == 2
+    assert cfg.max_model_len == 32768 and list(cfg.allocators) == ["contiguous", "paged", "prefix"]
+    assert cfg.router._target_.endswith("LeastLoaded")
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_option_prepares(model):
+    cfg = compose_config("run", [f"model={model}", "gpu=h200", "tensor_parallel_size=8",
+                                 "max_model_len=4096"])
+    assert prepare(cfg).pool.num_blocks > 0
+
+
+@pytest.mark.parametrize("scenario", options("scenario"))
+def test_every_scenario_option_generates(scenario):
+    cfg = compose_config("run", [f"scenario={scenario}"])
+    assert build_workload(cfg, 0).num_requests > 0
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes(experiment):
+    assert compose_config("run", [f"+experiment={experiment}"]) is not None
+
+
+def test_vllm_knob_names_are_top_level_keys():
+    cfg = compose_config("run", ["block_size=32", "max_num_seqs=8", "max_num_batched_tokens=512",
+                                 "gpu_memory_utilization=0.8", "enable_prefix_caching=true",
+                                 "enable_chunked_prefill=false", "kv_cache_dtype=fp8",
+                                 "max_model_len=512", "tensor_parallel_size=8"])
+    setup = prepare(cfg)
+    assert setup.pool.block_size == 32 and setup.kv_dtype == "fp8"
+    assert list(setup.allocator_configs) == ["contiguous", "prefix"]   # paged became prefix

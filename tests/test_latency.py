@@ -1,0 +1,79 @@
+"""Scaling behaviour of the first latency model (a pure function of the batch shape)."""
+import dataclasses
+
+from sim.latency import BatchShape, LatencyModel, load_profile
+from sim.models import load_model
+
+
+def bare(profile):
+    """A profile with no fixed costs, so memory-bound times scale exactly with bandwidth."""
+    ops = {name: dataclasses.replace(op, t0_s=0.0) for name, op in profile.operators.items()}
+    return dataclasses.replace(profile, step_overhead_s=0.0, operators=ops)
+
+
+def decode(num_seqs, context):
+    return BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=num_seqs * context,
+                      num_sampled=num_seqs)
+
+
+def test_decode_time_grows_with_total_context():
+    model = LatencyModel(load_model("llama3_70b"), load_profile("h100"), 4, "bf16")
+    times = [model.step_time(decode(32, ctx)) for ctx in (256, 1024, 4096, 16384, 65536)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+
+
+def test_doubling_bandwidth_halves_a_memory_bound_step():
+    profile = bare(load_profile("h100"))
+    faster = dataclasses.replace(profile, hbm_bandwidth_bytes_per_s=2 * profile.hbm_bandwidth_bytes_per_s)
+    model, tp1 = load_model("llama3_8b"), 1
+    shape = decode(64, 8192)
+    slow = LatencyModel(model, profile, tp1, "bf16").step_time(shape)
+    fast = LatencyModel(model, faster, tp1, "bf16").step_time(shape)
+    assert abs(fast / slow - 0.5) < 1e-9
+
+
+def test_mla_reads_fewer_kv_bytes_than_gqa():
+    profile = load_profile("h200")
+    mla = load_model("deepseek_v3")
+    gqa = dataclasses.replace(mla, attention="gqa", num_kv_heads=8, kv_lora_rank=0, qk_rope_head_dim=0)
+    shape = decode(64, 32768)
+    mla_model, gqa_model = (LatencyModel(m, profile, 1, "bf16") for m in (mla, gqa))
+    # 576 elements per token per layer against 2 x 8 x 128 = 2048 (REFERENCE.md section 1).
+    ratio = mla_model.decode_kv_bytes_per_layer(shape) / gqa_model.decode_kv_bytes_per_layer(shape)
+    assert ratio == 576 / 2048
+    # Absorbed MLA does more FLOPs per byte, yet its decode attention is still faster.
+    assert mla_model.breakdown(shape)["attention_decode"] < gqa_model.breakdown(shape)["attention_decode"]
+
+
+def test_fp8_kv_halves_memory_bound_decode_attention():
+    profile, model = bare(load_profile("h100")), load_model("llama3_8b")
+    shape = decode(64, 16384)
+    bf16 = LatencyModel(model, profile, 1, "bf16").breakdown(shape)["attention_decode"]
+    fp8 = LatencyModel(model, profile, 1, "fp8").breakdown(shape)["attention_decode"]
+    assert abs(fp8 / bf16 - 0.5) < 1e-9
+
+
+def test_prefill_is_compute_bound_and_grows_with_tokens():
+    model = LatencyModel(load_model("llama3_70b"), load_profile("h100"), 4, "bf16")
+    times = []
+    for q in (512, 1024, 2048, 4096, 8192):
+        times.append(model.step_time(BatchShape(num_prefill_tokens=q, prefill_attention_pairs=q * (q + 1) / 2,
+                                                prefill_kv_tokens=q, num_sampled=1)))
+    assert all(a < b for a, b in zip(times, times[1:]))
+    # Large prefill is compute-bound: 8x the tokens takes more than 4x the time.
+    assert times[-1] > 4 * times[0]
+
+
+def test_tensor_parallelism_adds_allreduce_and_splits_gemms():
+    shape = decode(64, 2048)
+    profile, llama = load_profile("h100"), load_model("llama3_70b")
+    tp2 = LatencyModel(llama, profile, 2, "bf16").breakdown(shape)
+    tp8 = LatencyModel(llama, profile, 8, "bf16").breakdown(shape)
+    assert tp8["mlp"] < tp2["mlp"] and tp2["allreduce"] > 0
+    assert LatencyModel(llama, profile, 1, "bf16").breakdown(shape).get("allreduce", 0.0) == 0.0
+
+
+def test_empty_step_costs_only_the_overhead():
+    profile = load_profile("h100")
+    model = LatencyModel(load_model("llama3_8b"), profile, 1, "bf16")
+    assert model.step_time(BatchShape()) == profile.step_overhead_s

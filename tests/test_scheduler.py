@@ -1,0 +1,101 @@
+"""The vLLM-v1-style planner on tiny pools, step by step."""
+from sim.kvcache.block import BlockAllocator
+from sim.scheduler import Scheduler, SchedulerSpec, Sequence
+from tests.helpers import request
+
+
+def make(num_blocks=4, block_size=4, budget=64, chunked=True, max_num_seqs=8, max_model_len=64,
+         caching=False):
+    alloc = BlockAllocator(num_blocks, block_size, enable_caching=caching)
+    spec = SchedulerSpec(max_num_seqs, budget, chunked, max_model_len)
+    return Scheduler(spec, alloc), alloc
+
+
+def add(scheduler, request_id, prompt, output, content=None, max_model_len=64):
+    s = Sequence(request(request_id, [(content or request_id, prompt)], output), 0.0, max_model_len)
+    scheduler.add(s)
+    return s
+
+
+def step(scheduler, now):
+    plan = scheduler.schedule()
+    return plan, scheduler.commit(plan, now)
+
+
+def test_preempts_the_newest_running_sequence_and_admits_nothing_that_step():
+    scheduler, alloc = make(num_blocks=4, block_size=4)
+    a, b = add(scheduler, 1, 6, 10), add(scheduler, 2, 6, 10)
+    c = add(scheduler, 3, 2, 2)
+    plan, _ = step(scheduler, 1.0)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 6), (2, 6)]   # c does not fit
+    assert a.num_tokens == 7 and a.first_token_time_s == 1.0
+    step(scheduler, 2.0)                                 # tokens 6 of a and b: still block 1
+    step(scheduler, 3.0)                                 # token 7: fills block 1
+    plan, _ = step(scheduler, 4.0)                       # token 8 of a needs a fifth block
+    assert plan.num_preempted == 1
+    assert [s.seq_id for s, _ in plan.scheduled] == [1]
+    assert scheduler.running == [a] and list(scheduler.waiting) == [b, c]
+    assert (b.num_computed, b.num_preemptions, b.num_output) == (0, 1, 3)
+    assert alloc.tables[1] == [0, 1, 3]                  # b's freed block 3 went to a
+
+
+def test_preempted_sequence_recomputes_prompt_and_outputs_so_far():
+    scheduler, _ = make(num_blocks=4, block_size=4)
+    a, b = add(scheduler, 1, 6, 10), add(scheduler, 2, 6, 10)
+    c = add(scheduler, 3, 2, 2)
+    for now in range(1, 5):
+        step(scheduler, float(now))                      # step 4 preempts b (3 outputs so far)
+    now = 5.0
+    while b not in scheduler.running:
+        plan, finished = step(scheduler, now)
+        assert c not in scheduler.running or b in scheduler.running   # FCFS: c waits behind b
+        now += 1
+    assert a.num_output == 10 and a.finish_time_s == now - 2  # b got a's blocks the step after
+    readmit = dict((s.seq_id, n) for s, n in plan.scheduled)
+    assert readmit[2] == 9                               # 6 prompt + 3 outputs recomputed
+    assert b.num_output == 4 and b.first_token_time_s == 1.0
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_the_token_budget():
+    scheduler, _ = make(num_blocks=16, block_size=4, budget=8)
+    a = add(scheduler, 1, 20, 2)
+    chunks = [step(scheduler, float(t))[0].scheduled[0][1] for t in (1, 2, 3)]
+    assert chunks == [8, 8, 4]
+    assert a.first_token_time_s == 3.0 and a.num_output == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    scheduler, _ = make(num_blocks=16, block_size=4, budget=10, chunked=False)
+    add(scheduler, 1, 6, 4)
+    add(scheduler, 2, 6, 4)
+    plan, _ = step(scheduler, 1.0)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 6)]
+    plan, _ = step(scheduler, 2.0)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 1), (2, 6)]
+
+
+def test_max_num_seqs_caps_the_batch():
+    scheduler, _ = make(num_blocks=32, block_size=4, max_num_seqs=2)
+    for i in range(1, 5):
+        add(scheduler, i, 3, 3)
+    plan, _ = step(scheduler, 1.0)
+    assert len(plan.scheduled) == 2 and len(scheduler.waiting) == 2
+
+
+def test_output_stops_at_max_model_len():
+    scheduler, _ = make(num_blocks=32, block_size=4, max_model_len=10)
+    a = add(scheduler, 1, 8, 50, max_model_len=10)
+    finished = []
+    for t in range(1, 10):
+        finished += step(scheduler, float(t))[1]
+    assert finished == [a] and a.num_output == 2 and a.num_tokens == 10
+
+
+def test_prefix_hit_is_recorded_once_at_first_admission():
+    scheduler, _ = make(num_blocks=16, block_size=4, caching=True)
+    add(scheduler, 1, 13, 1, content=7)
+    step(scheduler, 1.0)                                 # finishes: its 3 full blocks stay cached
+    b = add(scheduler, 2, 13, 2, content=7)
+    plan, _ = step(scheduler, 2.0)
+    assert b.prefix_hit_tokens == 12 and plan.scheduled[0][1] == 1
+    assert plan.shape.num_prefill_tokens == 1 and plan.shape.prefill_kv_tokens == 13
