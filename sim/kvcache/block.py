@@ -50,14 +50,13 @@ class BlockAllocator:
     def lookup_prefix(self, seq) -> PrefixHit:
         if not self.enable_caching:
             return NO_HIT
-        size, request, cached = self.block_size, seq.request, self.cached
-        blocks = []
-        for i in range((seq.num_tokens - 1) // size):
-            block = cached.get(request.prefix_key((i + 1) * size))
+        cached, blocks = self.cached, []
+        for key in seq.request.prefix_keys(self.block_size, 0, (seq.num_tokens - 1) // self.block_size):
+            block = cached.get(key)
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(len(blocks) * size, tuple(blocks)) if blocks else NO_HIT
+        return PrefixHit(len(blocks) * self.block_size, tuple(blocks)) if blocks else NO_HIT
 
     def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT):
         seq_id, size = seq.seq_id, self.block_size
@@ -143,11 +142,11 @@ class BlockAllocator:
     def _key_full_blocks(self, seq, table: list[int], end: int) -> None:
         seq_id, size = seq.seq_id, self.block_size
         first, last = self.num_keyed_blocks[seq_id], end // size
-        for i in range(first, last):
-            key = seq.request.prefix_key((i + 1) * size)
+        block_key, cached = self.block_key, self.cached
+        for i, key in enumerate(seq.request.prefix_keys(size, first, last), first):
             block = table[i]
-            self.block_key[block] = key
-            self.cached.setdefault(key, block)
+            block_key[block] = key
+            cached.setdefault(key, block)
         if last > first:
             self.num_keyed_blocks[seq_id] = last
 

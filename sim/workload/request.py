@@ -51,6 +51,22 @@ class Request:
         return (self.prefix_ids[j], self.segments[j][0], end - self.segment_starts[j])
 
 
+    def prefix_keys(self, block_size: int, first_block: int, end_block: int):
+        """prefix_key((i + 1) * block_size) for i in [first_block, end_block), in one pass."""
+        starts, segments, prompt_len = self.segment_starts, self.segments, self.prompt_len
+        j = -1
+        for i in range(first_block, end_block):
+            end = (i + 1) * block_size
+            if end > prompt_len:
+                yield (self.prefix_ids[-1], self.output_content_id, end - prompt_len)
+                continue
+            if j < 0:
+                j = bisect_right(starts, end - 1) - 1
+            while end > starts[j] + segments[j][1]:
+                j += 1
+            yield (self.prefix_ids[j], segments[j][0], end - starts[j])
+
+
 def make_request(interner: PrefixInterner, request_id: int, segments, output_len: int,
                  output_content_id: int, **extra) -> Request:
     starts, prefix_ids, position, prefix = [], [0], 0, 0

@@ -1,0 +1,98 @@
+"""Request identity (prefix keys) and the rag_agents generator."""
+from hydra.utils import instantiate
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.workload.request import PrefixInterner, make_request
+from tests.conftest import compose_config
+
+
+def workload(*overrides, seed=0):
+    cfg = compose_config("run", list(overrides))
+    return instantiate(cfg.scenario).generate(seed)
+
+
+def tokens_of(segments):
+    return [(content, i) for content, n in segments for i in range(n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=4),
+       b=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=4),
+       end=st.integers(1, 24))
+def test_prefix_keys_are_equal_exactly_when_token_prefixes_are(a, b, end):
+    interner = PrefixInterner()
+    ra, rb = make_request(interner, 1, a, 1, 100), make_request(interner, 2, b, 1, 101)
+    if end > min(ra.prompt_len, rb.prompt_len):
+        return
+    same_tokens = tokens_of(a)[:end] == tokens_of(b)[:end]
+    same_segmentation = _segments_upto(a, end) == _segments_upto(b, end)
+    if same_segmentation:
+        assert ra.prefix_key(end) == rb.prefix_key(end)
+    if ra.prefix_key(end) == rb.prefix_key(end):
+        assert same_tokens
+
+
+def _segments_upto(segments, end):
+    out, position = [], 0
+    for content, n in segments:
+        if position >= end:
+            break
+        out.append((content, n) if position + n < end else (content, None))
+        position += n
+    return out
+
+
+def test_output_keys_continue_in_the_next_turns_prompt():
+    interner = PrefixInterner()
+    first = make_request(interner, 1, [(1, 10)], 7, 50)
+    second = make_request(interner, 2, [(1, 10), (50, 7), (60, 3)], 4, 51)
+    for end in range(1, 18):
+        assert first.prefix_key(end) == second.prefix_key(end)
+    other_tool = make_request(interner, 3, [(1, 10), (50, 7), (61, 3)], 4, 52)
+    assert other_tool.prefix_key(17) == second.prefix_key(17)
+    assert other_tool.prefix_key(18) != second.prefix_key(18)
+
+
+def test_rag_agents_is_deterministic_per_seed():
+    assert workload() == workload()
+    assert workload() != workload(seed=1)
+
+
+def test_rag_agents_sessions_share_application_preambles_and_grow_turn_by_turn():
+    sessions = workload().sessions
+    preambles = {s.turns[0].segments[:2] for s in sessions}
+    assert 1 < len(preambles) <= 6                           # num_applications: 6
+    arrivals = [s.arrival_time_s for s in sessions]
+    assert arrivals == sorted(arrivals)
+    multi = [s for s in sessions if len(s.turns) > 1]
+    assert multi
+    for session in multi:
+        for before, after in zip(session.turns, session.turns[1:]):
+            assert after.segments[:len(before.segments)] == before.segments
+            assert after.segments[len(before.segments)] == (before.output_content_id, before.output_len)
+            assert after.think_time_s > 0 and after.prompt_len > before.prompt_len
+
+
+def test_shared_segments_avoid_block_aligned_lengths():
+    # Aligned shared segments would make prefix hit rates independent of the block size.
+    for session in workload().sessions:
+        for content, n in session.turns[0].segments[:-1]:
+            assert n % 16 != 0
+
+
+def test_popular_documents_recur_across_sessions():
+    sessions = workload().sessions
+    docs = [seg for s in sessions for seg in s.turns[0].segments[2:-1]]
+    most_common = max(docs.count(d) for d in set(docs))
+    assert most_common > len(sessions) * 0.05
+
+
+@settings(max_examples=100, deadline=None)
+@given(segments=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=5),
+       block_size=st.integers(1, 8), output=st.integers(1, 20), first=st.integers(0, 5))
+def test_bulk_prefix_keys_match_single_keys(segments, block_size, output, first):
+    r = make_request(PrefixInterner(), 1, segments, output, 99)
+    end_block = (r.prompt_len + output) // block_size
+    expected = [r.prefix_key((i + 1) * block_size) for i in range(first, end_block)]
+    assert list(r.prefix_keys(block_size, first, end_block)) == expected
