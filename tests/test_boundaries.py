@@ -1,0 +1,17 @@
+"""Architecture boundaries that later work must keep."""
+import subprocess
+import sys
+
+
+def test_simulator_imports_neither_torch_nor_triton():
+    code = ("import sys, sim.run, sim.commands, sim.report, sim.__main__; "
+            "bad = [m for m in ('torch', 'triton') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_allocators_and_scheduler_do_not_import_simpy():
+    code = ("import sys, sim.kvcache.block, sim.kvcache.contiguous, sim.scheduler, sim.latency; "
+            "print('simpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
