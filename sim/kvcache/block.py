@@ -5,24 +5,44 @@
 chain included, see sim.workload.request), so a later sequence with the same prefix reuses it.
 
     free queue (LRU head ... tail)      cached: key -> block id     ref_count[block]
-    [b7 b3 b9 | b2 b5]                  hashed blocks may sit in the free queue with ref 0:
+    [b7 b3 b9 | b2 b5]                  keyed blocks may sit in the free queue with ref 0:
      ^ allocation pops the head         they are evicted lazily when popped for reuse
 
 As in vLLM v1 (REFERENCE.md section 2): lookup walks full-block keys from the left and stops at
 the first miss, never covering the last known token; a finished sequence's blocks are appended
 to the queue deepest first, so shared shallow blocks are evicted last; blocks with ref > 0 are
-never in the queue; identical blocks computed concurrently are both kept.
+never in the queue; identical blocks computed concurrently are both kept. With eviction `lfu` or
+`fifo`, unkeyed free blocks go first, then keyed ones by the policy's sort key.
+
+Forked sequences (parallel samples, beams) share every block by reference count; a write into a
+shared partial last block first copies it (copy-on-write).
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
+from typing import NamedTuple
 
+from sim.errors import ConfigError
 from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+from sim.kvcache.eviction import EVICTION_POLICIES
+
+
+class BlockStats(NamedTuple):
+    last_access: int
+    hits: int
+    created: int
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 eviction: str = "lru"):
+        if eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy '{eviction}', allocator config key "
+                              f"eviction, use one of: {', '.join(EVICTION_POLICIES)}")
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self.eviction = eviction
+        self._sort_key = EVICTION_POLICIES[eviction]
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.ref_count = [0] * num_blocks
         self.block_key: list[tuple | None] = [None] * num_blocks
@@ -32,12 +52,22 @@ class BlockAllocator:
         self.num_keyed_blocks: dict[int, int] = {}
         self.final_len: dict[int, int] = {}
         self.num_cached_free = 0
-        self.total_reserved = 0
-        self.total_internal = 0
+        self.num_cow_copies = 0
+        # Statistics for the eviction order (logical clock, not simulated time).
+        self.clock = 0
+        self.hits = [0] * num_blocks
+        self.last_access = [0] * num_blocks
+        self.created = [0] * num_blocks
+        # Non-LRU policies: unkeyed free blocks in queue order, keyed ones in a lazy heap.
+        self._uncached_free: OrderedDict[int, None] = (
+            OrderedDict() if eviction == "lru" else OrderedDict(self.free_queue))
+        self._heap: list[tuple] = []
+        self._free_stamp = [0] * num_blocks
 
     @classmethod
-    def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False) -> "BlockAllocator":
-        return cls(pool.num_blocks, pool.block_size, enable_caching)
+    def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False,
+                  eviction: str = "lru") -> "BlockAllocator":
+        return cls(pool.num_blocks, pool.block_size, enable_caching, eviction)
 
     @property
     def capacity(self) -> int:
@@ -63,17 +93,15 @@ class BlockAllocator:
         table = self.tables.get(seq_id)
         start = self.num_allocated_tokens[seq_id] if table is not None else hit.num_tokens
         end = start + num_new_tokens
-        if table is not None and end <= len(table) * size:
+        copy_on_write = table is not None and start % size != 0 and self.ref_count[table[-1]] > 1
+        if table is not None and end <= len(table) * size and not copy_on_write:
             # Fast path (most decode steps): the tokens land in the last block's slack.
-            consumed_reserved = max(0, min(end, self.final_len[seq_id]) - start)
-            self.total_reserved -= consumed_reserved
-            self.total_internal -= num_new_tokens - consumed_reserved
             self.num_allocated_tokens[seq_id] = end
             if self.enable_caching and end // size > self.num_keyed_blocks[seq_id]:
                 self._key_full_blocks(seq, table, end)
             return ()
         num_have = len(table) if table is not None else len(hit.blocks)
-        num_needed = -(-end // size) - num_have
+        num_needed = -(-end // size) - num_have + copy_on_write
         revived = 0 if table is not None else sum(1 for b in hit.blocks if self.ref_count[b] == 0)
         if num_needed > len(self.free_queue) - revived:
             return None
@@ -84,37 +112,61 @@ class BlockAllocator:
             for block in hit.blocks:
                 self._touch(block)
                 table.append(block)
-        else:
-            self._drop_slack(seq_id, table)
         new_blocks = tuple(self._pop_free() for _ in range(num_needed))
-        table.extend(new_blocks)
+        if copy_on_write:
+            self.ref_count[table[-1]] -= 1
+            table[-1] = new_blocks[0]
+            self.num_cow_copies += 1
+            table.extend(new_blocks[1:])
+        else:
+            table.extend(new_blocks)
         self.num_allocated_tokens[seq_id] = end
-        self._add_slack(seq_id, table)
         if self.enable_caching:
             self._key_full_blocks(seq, table, end)
         return new_blocks
 
+    def fork(self, parent, child) -> bool:
+        """Share all of parent's blocks with a new sequence `child` (always fits)."""
+        table = self.tables[parent.seq_id]
+        for block in table:
+            self.ref_count[block] += 1
+        self.tables[child.seq_id] = list(table)
+        self.num_allocated_tokens[child.seq_id] = self.num_allocated_tokens[parent.seq_id]
+        self.num_keyed_blocks[child.seq_id] = self.num_keyed_blocks[parent.seq_id]
+        self.final_len[child.seq_id] = child.final_len
+        return True
+
     def free(self, seq) -> None:
         seq_id = seq.seq_id
         table = self.tables.pop(seq_id)
-        self._drop_slack(seq_id, table)
         del self.num_allocated_tokens[seq_id], self.final_len[seq_id], self.num_keyed_blocks[seq_id]
+        self.clock += 1
         for block in reversed(table):
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                self.free_queue[block] = None
-                if self.block_key[block] is not None:
-                    self.num_cached_free += 1
+                self.last_access[block] = self.clock
+                self._push_free(block)
 
     def usage(self, first_waiting=None) -> KVUsage:
         size = self.block_size
+        tail: dict[int, tuple[int, int, int]] = {}  # last block -> (slots, computed, L)
+        for seq_id, table in self.tables.items():
+            tokens, slots = self.num_allocated_tokens[seq_id], len(table) * size
+            if slots > tokens:
+                final_len, known = self.final_len[seq_id], tail.get(table[-1])
+                if known is None or final_len > known[2]:  # a shared tail counts once
+                    tail[table[-1]] = (slots, tokens, final_len)
+        reserved = internal = 0
+        for slots, tokens, final_len in tail.values():
+            r, i = slack_split(slots, tokens, final_len)
+            reserved += r
+            internal += i
         num_free = len(self.free_queue)
-        used_slots = (self.num_blocks - num_free) * size
         cached_idle = self.num_cached_free * size
         return KVUsage(
             capacity=self.capacity,
-            token_states=used_slots - self.total_reserved - self.total_internal,
-            reserved=self.total_reserved, internal_frag=self.total_internal, external_frag=0,
+            token_states=(self.num_blocks - num_free) * size - reserved - internal,
+            reserved=reserved, internal_frag=internal, external_frag=0,
             cached_idle=cached_idle, free=num_free * size - cached_idle)
 
     def blocks_of(self, seq) -> list[int]:
@@ -124,12 +176,43 @@ class BlockAllocator:
     def _touch(self, block: int) -> None:
         if self.ref_count[block] == 0:
             del self.free_queue[block]
+            self._uncached_free.pop(block, None)
+            self._free_stamp[block] += 1  # invalidates its heap entry
             if self.block_key[block] is not None:
                 self.num_cached_free -= 1
         self.ref_count[block] += 1
+        self.hits[block] += 1
+        self.clock += 1
+        self.last_access[block] = self.clock
+
+    def _push_free(self, block: int) -> None:
+        self.free_queue[block] = None
+        self._free_stamp[block] += 1
+        if self.block_key[block] is None:
+            if self.eviction != "lru":
+                self._uncached_free[block] = None
+        else:
+            self.num_cached_free += 1
+            if self.eviction != "lru":
+                stats = BlockStats(self.last_access[block], self.hits[block], self.created[block])
+                heapq.heappush(self._heap, (self._sort_key(stats), self._free_stamp[block], block))
+
+    def _victim(self) -> int:
+        if self.eviction == "lru":
+            return self.free_queue.popitem(last=False)[0]
+        if self._uncached_free:
+            block = self._uncached_free.popitem(last=False)[0]
+        else:
+            while True:
+                _, stamp, block = heapq.heappop(self._heap)
+                if stamp == self._free_stamp[block] and block in self.free_queue:
+                    break
+        del self.free_queue[block]
+        return block
 
     def _pop_free(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
+        block = self._victim()
+        self._uncached_free.pop(block, None)
         key = self.block_key[block]
         if key is not None:  # lazy eviction of a cached block
             self.num_cached_free -= 1
@@ -137,29 +220,19 @@ class BlockAllocator:
                 del self.cached[key]
             self.block_key[block] = None
         self.ref_count[block] = 1
+        self.hits[block] = 0
         return block
 
     def _key_full_blocks(self, seq, table: list[int], end: int) -> None:
         seq_id, size = seq.seq_id, self.block_size
         first, last = self.num_keyed_blocks[seq_id], end // size
-        block_key, cached = self.block_key, self.cached
+        block_key, cached, created = self.block_key, self.cached, self.created
+        self.clock += 1
         for i, key in enumerate(seq.request.prefix_keys(size, first, last), first):
             block = table[i]
-            block_key[block] = key
-            cached.setdefault(key, block)
+            if block_key[block] is None:  # a shared (forked) block is keyed once
+                block_key[block] = key
+                created[block] = self.clock
+                cached.setdefault(key, block)
         if last > first:
             self.num_keyed_blocks[seq_id] = last
-
-    def _slack(self, seq_id: int, table: list[int]) -> tuple[int, int]:
-        return slack_split(len(table) * self.block_size, self.num_allocated_tokens[seq_id],
-                           self.final_len[seq_id])
-
-    def _add_slack(self, seq_id, table) -> None:
-        reserved, internal = self._slack(seq_id, table)
-        self.total_reserved += reserved
-        self.total_internal += internal
-
-    def _drop_slack(self, seq_id, table) -> None:
-        reserved, internal = self._slack(seq_id, table)
-        self.total_reserved -= reserved
-        self.total_internal -= internal

@@ -1,22 +1,21 @@
 """Contiguous per-request reservation (Orca / FasterTransformer style) on a linear address space.
 
 Each sequence reserves one extent of token slots when first admitted and keeps it until it
-finishes or is preempted. Placement is first-fit over the free extents, which coalesce on free,
-so external fragmentation is measured from the actual holes, not assumed.
+finishes or is preempted. Placement (sim/kvcache/placement.py) is first-fit over coalescing holes
+or a buddy system, so external fragmentation is measured from the actual holes, not assumed.
 
     reserve = max     -> max_model_len slots (the core's `contiguous`)
     reserve = pow2    -> next power of two of the sequence's final length L, at most max_model_len
-    reserve = oracle  -> exactly L
+    reserve = oracle  -> exactly L (no internal fragmentation by definition, under first fit)
 
     address space:  [ seq 3 ######.... ][ hole ][ seq 8 ####...... ][ hole ............ ]
-                      computed ^ reserved         free extents are (start, length), sorted
+                      computed ^ reserved         buddy also rounds each extent up to 2^k
 """
 from __future__ import annotations
 
-from bisect import bisect_left
-
 from sim.errors import ConfigError
 from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+from sim.kvcache.placement import PLACEMENTS
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
 
@@ -35,12 +34,11 @@ class ContiguousAllocator:
         if reserve not in RESERVE_POLICIES:
             raise ConfigError(f"unknown reserve policy '{reserve}', allocator config key reserve, "
                               f"use one of: {', '.join(RESERVE_POLICIES)}")
-        if placement != "first_fit":
+        if placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement '{placement}', allocator config key placement, "
-                              f"use first_fit")
+                              f"use one of: {', '.join(PLACEMENTS)}")
         self.num_slots, self.max_model_len, self.reserve = num_slots, max_model_len, reserve
-        self.hole_starts: list[int] = [0]
-        self.hole_lengths: dict[int, int] = {0: num_slots}
+        self.space = PLACEMENTS[placement](num_slots)
         self.extents: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
         self.num_allocated_tokens: dict[int, int] = {}
         self.final_len: dict[int, int] = {}
@@ -67,12 +65,10 @@ class ContiguousAllocator:
         seq_id = seq.seq_id
         extent = self.extents.get(seq_id)
         if extent is None:
-            length = self.reservation_of(seq)
-            start = self._first_fit(length)
-            if start is None:
+            extent = self.space.place(self.reservation_of(seq))
+            if extent is None:
                 return None
-            self._take(start, length)
-            extent = self.extents[seq_id] = (start, length)
+            self.extents[seq_id] = extent
             self.num_allocated_tokens[seq_id] = 0
             self.final_len[seq_id] = seq.final_len
             new, before = (extent,), 0
@@ -94,49 +90,21 @@ class ContiguousAllocator:
         self._drop_slack(seq_id, tokens, length)
         self.total_tokens -= tokens
         del self.num_allocated_tokens[seq_id], self.final_len[seq_id]
-        self._release(start, length)
+        self.space.release(start, length)
 
     def usage(self, first_waiting=None) -> KVUsage:
-        num_free = sum(self.hole_lengths.values())
+        num_free = self.num_slots - sum(length for _, length in self.extents.values())
         external = 0
         if first_waiting is not None:
-            need = self.reservation_of(first_waiting)
-            external = sum(n for n in self.hole_lengths.values() if n < need)
+            external = self.space.unusable_slots(self.reservation_of(first_waiting))
         return KVUsage(capacity=self.num_slots, token_states=self.total_tokens,
                        reserved=self.total_reserved, internal_frag=self.total_internal,
                        external_frag=external, cached_idle=0, free=num_free - external)
 
     def holes(self) -> list[tuple[int, int]]:
-        return [(s, self.hole_lengths[s]) for s in self.hole_starts]
+        return self.space.holes()
 
     # -- mechanics ---------------------------------------------------------------------------
-    def _first_fit(self, length: int) -> int | None:
-        for start in self.hole_starts:
-            if self.hole_lengths[start] >= length:
-                return start
-        return None
-
-    def _take(self, start: int, length: int) -> None:
-        hole = self.hole_lengths.pop(start)
-        index = bisect_left(self.hole_starts, start)
-        if hole == length:
-            del self.hole_starts[index]
-        else:
-            self.hole_starts[index] = start + length
-            self.hole_lengths[start + length] = hole - length
-
-    def _release(self, start: int, length: int) -> None:
-        index = bisect_left(self.hole_starts, start)
-        if index < len(self.hole_starts) and self.hole_starts[index] == start + length:
-            length += self.hole_lengths.pop(self.hole_starts.pop(index))
-        if index > 0:
-            prev = self.hole_starts[index - 1]
-            if prev + self.hole_lengths[prev] == start:
-                self.hole_lengths[prev] += length
-                return
-        self.hole_starts.insert(index, start)
-        self.hole_lengths[start] = length
-
     def _slack(self, seq_id: int, tokens: int, length: int | None = None) -> tuple[int, int]:
         length = self.extents[seq_id][1] if length is None else length
         return slack_split(length, tokens, self.final_len[seq_id])

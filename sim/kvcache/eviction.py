@@ -1,0 +1,22 @@
+"""Eviction orders for cached KV (prefix blocks, radix nodes): one sort key each, smallest first.
+
+Each key reads an entry's `last_access` and `hits` (logical clock ticks and lookup hits) and
+`created` (when its content was first cached). SGLang's radix cache ships the same three
+(REFERENCE.md section 2); LRU is the default everywhere.
+"""
+from __future__ import annotations
+
+
+def lru(entry) -> tuple:
+    return (entry.last_access,)
+
+
+def lfu(entry) -> tuple:
+    return (entry.hits, entry.last_access)
+
+
+def fifo(entry) -> tuple:
+    return (entry.created, entry.last_access)
+
+
+EVICTION_POLICIES = {"lru": lru, "lfu": lfu, "fifo": fifo}
