@@ -7,12 +7,14 @@ shape varies (scenario, model, allocator) are validated when they are turned int
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sim.errors import ConfigError
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -39,8 +41,13 @@ class RunConfig:
     max_model_len: int = MISSING
     kv_cache_memory_bytes: Optional[int] = None
     activation_reserve_bytes: int = MISSING
+    preemption_mode: str = MISSING
+    swap_space: float = MISSING
     allocators: List[str] = MISSING
+    allocator_options: Dict[str, Any] = field(default_factory=dict)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    task: str = "compare"
+    sharing: Any = None
     plots: bool = True
     quiet: bool = False
 
@@ -86,6 +93,8 @@ class EngineSpec:
     activation_reserve_bytes: int
     num_replicas: int
     allocators: tuple[str, ...]
+    preemption_mode: str
+    swap_space_bytes: float
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -115,6 +124,10 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
     _require(c["cluster"]["num_replicas"] >= 1, "cluster.num_replicas",
              f"cluster.num_replicas={c['cluster']['num_replicas']} is below 1", "use a positive integer")
     _require(len(c["allocators"]) > 0, "allocators", "allocators is empty", "list at least one, e.g. [paged]")
+    _require(c["preemption_mode"] in PREEMPTION_MODES, "preemption_mode",
+             f"unknown preemption_mode '{c['preemption_mode']}'", "use recompute or swap")
+    _require(c["swap_space"] >= 0, "swap_space", f"swap_space={c['swap_space']} is negative",
+             "give GiB of CPU memory per GPU (vLLM's default is 4)")
     _require(c["kv_cache_memory_bytes"] is None or c["kv_cache_memory_bytes"] > 0, "kv_cache_memory_bytes",
              "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
     return EngineSpec(
@@ -126,4 +139,5 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
         enable_chunked_prefill=c["enable_chunked_prefill"], kv_cache_dtype=c["kv_cache_dtype"],
         max_model_len=c["max_model_len"], kv_cache_memory_bytes=c["kv_cache_memory_bytes"],
         activation_reserve_bytes=c["activation_reserve_bytes"],
-        num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]))
+        num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]),
+        preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30)

@@ -18,7 +18,7 @@ from sim.kvcache.base import USAGE_FIELDS
 
 REQUEST_COLUMNS = ("request_id", "session_id", "turn", "replica", "status", "arrival_time_s",
                    "first_token_time_s", "finish_time_s", "prompt_tokens", "output_tokens",
-                   "prefix_hit_tokens", "num_preemptions")
+                   "total_output_tokens", "num_samples", "prefix_hit_tokens", "num_preemptions")
 TIMELINE_COLUMNS = ("replica", "time_s", "capacity", *USAGE_FIELDS, "batch_size",
                     "num_batched_tokens", "num_running", "num_waiting", "num_preempted")
 
@@ -39,16 +39,20 @@ class Recorder:
             sum(n for _, n in plan.scheduled), len(scheduler.running), len(scheduler.waiting),
             plan.num_preempted))
 
-    def record_finished(self, seq) -> None:
-        r = seq.request
-        self.requests.append((r.request_id, r.session_id, r.turn, seq.replica, "finished",
-                              seq.arrival_time_s, seq.first_token_time_s, seq.finish_time_s,
-                              r.prompt_len, seq.num_output, seq.prefix_hit_tokens,
-                              seq.num_preemptions))
+    def record_finished(self, samples) -> None:
+        """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
+        first = samples[0]
+        r = first.request
+        self.requests.append((
+            r.request_id, r.session_id, r.turn, first.replica, "finished", first.arrival_time_s,
+            min(s.first_token_time_s for s in samples), max(s.finish_time_s for s in samples),
+            r.prompt_len, max(s.num_output for s in samples), sum(s.num_output for s in samples),
+            len(samples), first.prefix_hit_tokens, sum(s.num_preemptions for s in samples)))
 
     def record_rejected(self, request, time_s: float) -> None:
         self.requests.append((request.request_id, request.session_id, request.turn, -1,
-                              "rejected", time_s, math.nan, math.nan, request.prompt_len, 0, 0, 0))
+                              "rejected", time_s, math.nan, math.nan, request.prompt_len, 0, 0,
+                              request.n, 0, 0))
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
@@ -110,7 +114,7 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
         "wall_time_s": wall_time_s,
         "throughput": {
             "requests_per_s": len(done) / duration if duration > 0 else 0.0,
-            "output_tokens_per_s": float(done.output_tokens.sum()) / duration if duration > 0 else 0.0,
+            "output_tokens_per_s": float(done.total_output_tokens.sum()) / duration if duration > 0 else 0.0,
         },
         "latency_s": {"ttft": _percentiles(done.ttft_s), "tpot": _percentiles(done.tpot_s),
                       "e2e": _percentiles(done.e2e_s)},

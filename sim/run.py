@@ -92,7 +92,13 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype)
+    options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
+    for name, values in options.items():
+        if name not in configs:
+            raise ConfigError(f"allocator_options names '{name}', which is not in allocators "
+                              f"{list(configs)}, key allocator_options, add it to allocators or drop it")
+        configs[name] = OmegaConf.merge(configs[name], values)
     for name, allocator_cfg in configs.items():  # fail on a bad allocator config up front
         _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
                      max_model_len=spec.max_model_len)
@@ -111,8 +117,10 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) 
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
     cluster = Cluster(env, router, recorder, spec.max_model_len)
+    swap_tokens = int(spec.swap_space_bytes * spec.tensor_parallel_size // setup.pool.bytes_per_token)
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
-                                   spec.enable_chunked_prefill, spec.max_model_len)
+                                   spec.enable_chunked_prefill, spec.max_model_len,
+                                   spec.preemption_mode, swap_tokens)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
     for index in range(spec.num_replicas):

@@ -31,6 +31,7 @@ def test_summary_definitions():
         "status": ["finished", "finished", "rejected"], "arrival_time_s": [1.0, 2.0, 3.0],
         "first_token_time_s": [1.5, 2.5, float("nan")], "finish_time_s": [3.5, 2.5, float("nan")],
         "prompt_tokens": [100, 50, 10_000], "output_tokens": [5, 1, 0],
+        "total_output_tokens": [5, 1, 0], "num_samples": [1, 1, 1],
         "prefix_hit_tokens": [32, 0, 0], "num_preemptions": [1, 0, 0]})
     requests["ttft_s"] = requests.first_token_time_s - requests.arrival_time_s
     requests["e2e_s"] = requests.finish_time_s - requests.arrival_time_s

@@ -99,3 +99,49 @@ def test_prefix_hit_is_recorded_once_at_first_admission():
     plan, _ = step(scheduler, 2.0)
     assert b.prefix_hit_tokens == 12 and plan.scheduled[0][1] == 1
     assert plan.shape.num_prefill_tokens == 1 and plan.shape.prefill_kv_tokens == 13
+
+
+def test_parallel_samples_share_the_prompt_and_copy_the_last_block_on_write():
+    scheduler, alloc = make(num_blocks=16, block_size=4)
+    s = Sequence(request(1, [(1, 6)], 3, n=3), 0.0, 64)
+    scheduler.add(s)
+    step(scheduler, 1.0)                                 # prompt done: two siblings forked
+    assert len(scheduler.running) == 3
+    assert [alloc.tables[x.seq_id] for x in scheduler.running] == [[0, 1]] * 3
+    assert alloc.ref_count[:2] == [3, 3]
+    step(scheduler, 2.0)                                 # each writes token 6 into block 1
+    tables = [alloc.tables[x.seq_id] for x in scheduler.running]
+    assert [t[0] for t in tables] == [0, 0, 0] and len({t[1] for t in tables}) == 3
+    assert alloc.num_cow_copies == 2                     # the last writer owns the original
+    finished = step(scheduler, 3.0)[1]
+    assert len(finished) == 3 and all(x.num_output == 3 for x in finished)
+    assert alloc.num_free_blocks == 16
+
+
+def test_swap_preemption_moves_kv_to_cpu_and_back_without_recompute():
+    alloc = BlockAllocator(4, 4)
+    spec = SchedulerSpec(8, 64, True, 64, preemption_mode="swap", swap_space_tokens=100)
+    scheduler = Scheduler(spec, alloc)
+    a, b = add(scheduler, 1, 6, 10), add(scheduler, 2, 6, 4)
+    for now in (1.0, 2.0, 3.0):
+        step(scheduler, now)
+    plan, _ = step(scheduler, 4.0)                       # a needs a block: b is swapped out
+    assert list(scheduler.swapped) == [b] and b.num_computed == 8 and b.num_swapped_tokens == 8
+    assert plan.shape.swap_tokens == 8 and scheduler.swap_used_tokens == 8
+    while b in scheduler.swapped:
+        plan, _ = step(scheduler, 5.0)
+    assert plan.shape.swap_tokens == 8                   # swapped back in, not recomputed
+    assert dict((x.seq_id, n) for x, n in plan.scheduled)[2] == 1
+    assert b.num_preemptions == 1 and scheduler.swap_used_tokens == 0
+    del a
+
+
+def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
+    alloc = BlockAllocator(4, 4)
+    spec = SchedulerSpec(8, 64, True, 64, preemption_mode="swap", swap_space_tokens=4)
+    scheduler = Scheduler(spec, alloc)
+    add(scheduler, 1, 6, 10)
+    b = add(scheduler, 2, 6, 4)
+    for now in (1.0, 2.0, 3.0, 4.0):
+        step(scheduler, now)
+    assert not scheduler.swapped and scheduler.waiting[0] is b and b.num_computed == 0

@@ -12,6 +12,7 @@ class Cluster:
         self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
         self.replicas = []
         self._sessions: dict[int, Session] = {}
+        self._samples: dict[int, list[Sequence]] = {}  # request id -> finished samples so far
 
     def add_replica(self, replica) -> None:
         self.replicas.append(replica)
@@ -38,7 +39,15 @@ class Cluster:
         self.replicas[self.router(self.replicas, request)].submit(seq)
 
     def on_finish(self, seq: Sequence) -> None:
-        self.recorder.record_finished(seq)
+        """A sample finished; a request is done when all of its n samples are."""
+        samples = [seq]
+        if seq.request.n > 1:
+            samples = self._samples.setdefault(seq.request.request_id, [])
+            samples.append(seq)
+            if len(samples) < seq.request.n:
+                return
+            del self._samples[seq.request.request_id]
+        self.recorder.record_finished(samples)
         session = self._sessions[seq.request.session_id]
         turn = seq.request.turn + 1
         if turn < len(session.turns):

@@ -43,6 +43,7 @@ class ContiguousAllocator:
         self.num_allocated_tokens: dict[int, int] = {}
         self.final_len: dict[int, int] = {}
         self.total_tokens = 0
+        self.num_copied_tokens = 0
         self.total_reserved = 0
         self.total_internal = 0
 
@@ -82,6 +83,14 @@ class ContiguousAllocator:
         self.total_tokens += num_new_tokens
         self._add_slack(seq_id, after)
         return new
+
+    def fork(self, parent, child) -> bool:
+        """A contiguous cache cannot share: the child gets its own extent and a copy."""
+        tokens = self.num_allocated_tokens[parent.seq_id]
+        if self.allocate(child, tokens) is None:
+            return False
+        self.num_copied_tokens += tokens
+        return True
 
     def free(self, seq) -> None:
         seq_id = seq.seq_id

@@ -27,6 +27,7 @@ class BatchShape:
     prefill_kv_tokens: sum over prefill chunks of c + q (KV read and written).
     decode_context_tokens: sum over decode sequences of their context including the new token.
     num_sampled: sequences whose logits are computed this step.
+    swap_tokens: KV tokens moved between GPU and CPU memory this step (swap preemption).
     """
     num_prefill_tokens: int = 0
     prefill_attention_pairs: float = 0.0
@@ -34,6 +35,7 @@ class BatchShape:
     num_decode_seqs: int = 0
     decode_context_tokens: int = 0
     num_sampled: int = 0
+    swap_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +57,8 @@ class LatencyModel:
         kv_split = 1 if model.is_mla else min(tp, model.num_kv_heads)
         self.kv_bytes_per_token_layer_rank = (
             model.kv_elements_per_token_per_layer * DTYPE_BYTES[kv_dtype] / kv_split)
+        # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
+        self.kv_bytes_per_token_rank = model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp) / tp
         self.attn_params_rank = model.attention_params_per_layer / tp
         self.dense_mlp_params_rank = model.dense_mlp_params_per_layer / tp
         self.expert_params_rank = model.expert_params / tp
@@ -85,7 +89,8 @@ class LatencyModel:
         """Seconds per operator for one step; their sum is step_time(shape)."""
         m, tokens = self.model, shape.num_tokens
         if tokens == 0:
-            return {"overhead": self.profile.step_overhead_s}
+            swap = {"swap": self.swap_time(shape.swap_tokens)} if shape.swap_tokens else {}
+            return {"overhead": self.profile.step_overhead_s, **swap}
         times = {
             "qkv_o_proj": m.num_layers * self._gemm(tokens, self.attn_params_rank),
             "mlp": self.num_dense_layers * self._gemm(tokens, self.dense_mlp_params_rank)
@@ -104,9 +109,16 @@ class LatencyModel:
             nbytes = self.decode_kv_bytes_per_layer(shape)
             times["attention_decode"] = m.num_layers * self._op(
                 "attention_decode", flops, nbytes, self.attn_peak)
+        if shape.swap_tokens:
+            times["swap"] = self.swap_time(shape.swap_tokens)
         if self.tp > 1:
             times["allreduce"] = 2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
         return times
+
+    def swap_time(self, num_tokens: int) -> float:
+        """Each rank moves its share of the tokens' KV over its own host link."""
+        nbytes = num_tokens * self.kv_bytes_per_token_rank
+        return self.profile.host_link_latency_s + nbytes / self.profile.host_link_bytes_per_s
 
     def decode_kv_bytes_per_layer(self, shape: BatchShape) -> float:
         """KV bytes one rank reads per layer for the step's decode attention."""

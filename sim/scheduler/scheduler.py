@@ -1,19 +1,25 @@
-"""vLLM-v1-style continuous batching planner.
+"""vLLM-style continuous batching planner.
 
 Each step has one token budget (max_num_batched_tokens) and at most max_num_seqs sequences.
 Running sequences are served first, in admission order; one that cannot get memory preempts the
-newest running sequence (recompute: its KV is freed and it goes to the front of the waiting
-queue), possibly itself. Waiting sequences are admitted in FCFS order only in steps without a
-preemption; the head of the queue blocks the rest when it does not fit. With chunked prefill a
-prompt is split across steps to fit the budget; without it a prompt is scheduled whole.
+newest running sequence, possibly itself. With preemption_mode=recompute (vLLM v1) its KV is
+freed and it goes to the front of the waiting queue; with swap (vLLM v0) its KV moves to a CPU
+pool over the host link, if that pool has room, and comes back before any waiting request is
+admitted. Waiting sequences are admitted in FCFS order only in steps without a preemption; the
+head of the queue blocks the rest when it does not fit. With chunked prefill a prompt is split
+across steps to fit the budget; without it a prompt is scheduled whole. A request with n > 1
+forks its other samples once its prompt is computed (they share the prompt's KV).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
 from sim.scheduler.sequence import Sequence
+
+FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +28,8 @@ class SchedulerSpec:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_model_len: int
+    preemption_mode: str = "recompute"
+    swap_space_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,27 +43,35 @@ class Scheduler:
     def __init__(self, spec: SchedulerSpec, allocator):
         self.spec, self.allocator = spec, allocator
         self.waiting: deque[Sequence] = deque()
+        self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.swap_used_tokens = 0
+        self._swap_tokens = 0  # moved over the host link in the step being planned
+        self._next_sibling_id = FIRST_SIBLING_ID
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     @property
     def load(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.swapped)
 
     @property
     def first_waiting(self) -> Sequence | None:
+        if self.swapped:
+            return self.swapped[0]
         return self.waiting[0] if self.waiting else None
 
     def schedule(self) -> StepPlan:
         budget = self.spec.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         num_preempted = 0
+        self._swap_tokens = 0
         running, allocate = self.running, self.allocator.allocate
         index = 0
         while index < len(running) and budget > 0:
@@ -74,8 +90,26 @@ class Scheduler:
                 continue
             break
         if not num_preempted or not scheduled:
-            budget = self._admit(scheduled, budget)
-        return StepPlan(tuple(scheduled), _shape(scheduled), num_preempted)
+            budget = self._swap_in(scheduled, budget)
+            if not self.swapped:
+                budget = self._admit(scheduled, budget)
+        return StepPlan(tuple(scheduled), _shape(scheduled, self._swap_tokens), num_preempted)
+
+    def _swap_in(self, scheduled: list, budget: int) -> int:
+        swapped, running = self.swapped, self.running
+        while swapped and budget > 0 and len(running) < self.spec.max_num_seqs:
+            seq = swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if self.allocator.allocate(seq, seq.num_swapped_tokens + num_new, NO_HIT) is None:
+                break
+            swapped.popleft()
+            self._swap_tokens += seq.num_swapped_tokens
+            self.swap_used_tokens -= seq.num_swapped_tokens
+            seq.num_swapped_tokens = 0
+            running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
 
     def _admit(self, scheduled: list, budget: int) -> int:
         waiting, running, allocator = self.waiting, self.running, self.allocator
@@ -101,14 +135,22 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq)
-        seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        room = self.spec.swap_space_tokens - self.swap_used_tokens
+        if self.spec.preemption_mode == "swap" and 0 < seq.num_computed <= room:
+            seq.num_swapped_tokens = seq.num_computed
+            self.swap_used_tokens += seq.num_computed
+            self._swap_tokens += seq.num_computed
+            self.num_swapped_out += 1
+            self.swapped.append(seq)
+            return
+        seq.num_computed = 0  # recompute (also when the CPU pool is full)
         self.waiting.appendleft(seq)
 
     def commit(self, plan: StepPlan, now: float) -> list[Sequence]:
         """Apply a step that ended at `now`; return the sequences that finished."""
-        finished = []
+        finished, forked = [], []
         max_model_len = self.spec.max_model_len
         for seq, num_new in plan.scheduled:
             seq.num_computed += num_new
@@ -118,6 +160,8 @@ class Scheduler:
             seq.num_output += 1
             if seq.num_output == 1:
                 seq.first_token_time_s = now
+                if seq.request.n > 1 and seq.sample_index == 0:
+                    forked.extend(self._fork_samples(seq, now))
             if seq.num_output >= seq.request.output_len or seq.num_tokens >= max_model_len:
                 seq.finish_time_s = now
                 self.allocator.free(seq)
@@ -125,10 +169,29 @@ class Scheduler:
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
+        self.running.extend(s for s in forked if s.finish_time_s != s.finish_time_s)
+        finished.extend(s for s in forked if s.finish_time_s == s.finish_time_s)
         return finished
 
+    def _fork_samples(self, parent: Sequence, now: float) -> list[Sequence]:
+        """The other n - 1 samples, each having sampled its own first token with the parent."""
+        siblings = []
+        for index in range(1, parent.request.n):
+            sibling = parent.sibling(self._next_sibling_id, index)
+            self._next_sibling_id += 1
+            if parent.num_output >= parent.request.output_len or parent.num_tokens >= self.spec.max_model_len:
+                sibling.finish_time_s = now  # a one-token request: finished with its parent
+                siblings.append(sibling)
+                continue
+            if self.allocator.fork(parent, sibling):
+                siblings.append(sibling)
+            else:  # no memory for a copy (contiguous): recompute its prompt later
+                sibling.num_computed = 0
+                self.waiting.appendleft(sibling)
+        return siblings
 
-def _shape(scheduled) -> BatchShape:
+
+def _shape(scheduled, swap_tokens: int = 0) -> BatchShape:
     prefill_tokens = prefill_kv = decode_seqs = decode_context = sampled = 0
     pairs = 0.0
     for seq, num_new in scheduled:
@@ -142,4 +205,5 @@ def _shape(scheduled) -> BatchShape:
         prefill_tokens += num_new
         prefill_kv += context + num_new
         pairs += num_new * (context + (num_new + 1) / 2)
-    return BatchShape(prefill_tokens, pairs, prefill_kv, decode_seqs, decode_context, sampled)
+    return BatchShape(prefill_tokens, pairs, prefill_kv, decode_seqs, decode_context, sampled,
+                      swap_tokens)

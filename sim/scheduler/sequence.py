@@ -1,6 +1,7 @@
-"""A request's mutable serving state on one replica."""
+"""A request's mutable serving state on one replica: one Sequence per sample."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from sim.workload.request import Request
@@ -11,13 +12,16 @@ class Sequence:
 
     As in vLLM v1, prefill and decode are one mechanism: a step computes KV for up to
     num_tokens - num_computed tokens, and once a sequence has caught up it samples one more token.
+    A request with n > 1 parallel samples forks n - 1 sibling sequences when its prompt is done.
     """
     __slots__ = ("seq_id", "request", "arrival_time_s", "num_tokens", "num_computed",
                  "num_output", "final_len", "first_token_time_s", "finish_time_s",
-                 "num_preemptions", "prefix_hit_tokens", "admitted", "replica")
+                 "num_preemptions", "prefix_hit_tokens", "admitted", "replica", "sample_index",
+                 "num_swapped_tokens")
 
-    def __init__(self, request: Request, arrival_time_s: float, max_model_len: int):
-        self.seq_id = request.request_id
+    def __init__(self, request: Request, arrival_time_s: float, max_model_len: int,
+                 seq_id: int | None = None, sample_index: int = 0):
+        self.seq_id = request.request_id if seq_id is None else seq_id
         self.request = request
         self.arrival_time_s = arrival_time_s
         self.num_tokens = request.prompt_len
@@ -30,3 +34,18 @@ class Sequence:
         self.prefix_hit_tokens = 0
         self.admitted = False
         self.replica = -1
+        self.sample_index = sample_index
+        self.num_swapped_tokens = 0  # KV tokens held in CPU memory while swapped out
+
+    def sibling(self, seq_id: int, sample_index: int) -> "Sequence":
+        """Another sample of the same request, at the same point (its prompt computed)."""
+        twin = Sequence.__new__(Sequence)
+        for name in Sequence.__slots__:
+            setattr(twin, name, getattr(self, name))
+        twin.seq_id, twin.sample_index = seq_id, sample_index
+        twin.prefix_hit_tokens = twin.num_preemptions = 0
+        # Each sample generates its own tokens: a distinct (negative, never generated) output
+        # content id keeps their KV from ever matching one another in a prefix cache.
+        twin.request = dataclasses.replace(
+            self.request, output_content_id=-(self.request.output_content_id * 1024 + sample_index))
+        return twin

@@ -22,11 +22,12 @@ class SyntheticSpec:
     output_tokens_mean: float
     length_sigma: float
     max_total_tokens: int  # prompt + output are capped here (0: no cap)
+    n: int = 1             # parallel samples per request (vLLM's SamplingParams.n)
 
     def __post_init__(self):
-        if self.num_requests < 1 or self.request_rate_per_s <= 0:
-            raise ConfigError("scenario.num_requests must be >= 1 and request_rate_per_s > 0, "
-                              "scenario synthetic, fix the values")
+        if self.num_requests < 1 or self.request_rate_per_s <= 0 or not 1 <= self.n <= 1024:
+            raise ConfigError("scenario.num_requests must be >= 1, request_rate_per_s > 0 and "
+                              "n in 1..1024, scenario synthetic, fix the values")
 
     def generate(self, seed: int) -> Workload:
         arrivals_rng, lengths_rng = (np.random.default_rng(s)
@@ -42,6 +43,6 @@ class SyntheticSpec:
         for i in range(n):
             # Content ids 2i+1 (prompt) and 2i+2 (output) are unique to request i.
             request = make_request(interner, i, [(2 * i + 1, int(inputs[i]))], int(outputs[i]),
-                                   2 * i + 2, session_id=i)
+                                   2 * i + 2, session_id=i, n=self.n)
             sessions.append(Session(i, float(arrivals[i]), (request,)))
         return Workload(tuple(sessions))
