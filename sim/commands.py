@@ -20,6 +20,10 @@ def run_task(cfg: DictConfig) -> None:
     from sim.run import run_all
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.task == "sharing":
+        return sharing_task(cfg, out_dir)
+    if cfg.task != "compare":
+        raise ConfigError(f"unknown task '{cfg.task}', key task, use compare or sharing")
     results = run_all(cfg)
     comparison = write_run(out_dir, results, cfg)
     if cfg.plots:
@@ -31,6 +35,22 @@ def run_task(cfg: DictConfig) -> None:
               f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
         print(format_table(comparison))
         print(f"results: {out_dir}")
+
+
+def sharing_task(cfg: DictConfig, out_dir: Path) -> None:
+    """The block-sharing study of parallel sampling and beam search; writes sharing.csv."""
+    from sim.results import write_csv
+    from sim.sharing import run_sharing_study, sharing_spec
+
+    if cfg.sharing is None:
+        raise ConfigError("task=sharing needs the sharing study's parameters, key sharing, "
+                          "run python -m sim run +experiment=sharing")
+    spec = sharing_spec(OmegaConf.to_container(cfg.sharing, resolve=True))
+    table = run_sharing_study(spec, cfg.block_size, cfg.seed)
+    write_csv(out_dir / "sharing.csv", table)
+    if not cfg.quiet:
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print(f"results: {out_dir / 'sharing.csv'}")
 
 
 def kv_task(cfg: DictConfig) -> None:
@@ -69,6 +89,5 @@ def report_task(cfg: DictConfig) -> None:
     """Redraw plots and write the memory breakdown CSV of a finished run."""
     from sim.report import report
 
-    run_dir = report(Path(cfg.run_dir))
-    print(f"wrote {run_dir / 'memory_breakdown.png'}, {run_dir / 'kv_usage.png'}, "
-          f"{run_dir / 'memory_breakdown.csv'}")
+    written = report(Path(cfg.run_dir))
+    print("wrote " + ", ".join(str(p) for p in written))

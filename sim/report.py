@@ -88,12 +88,77 @@ def plot_kv_usage(timelines: dict[str, pd.DataFrame], path: Path) -> None:
     plt.close(fig)
 
 
-def report(run_dir: Path) -> Path:
-    """Redraw a run directory's plots and write its memory breakdown as CSV."""
+SWEEP_METRICS = [("kv.internal_frag_frac", "internal fragmentation"),
+                 ("prefix_cache.hit_rate", "prefix hit rate"), ("kv.waste_frac", "waste"),
+                 ("throughput.output_tokens_per_s", "output tokens / s")]
+
+
+def _scalar(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def sweep_summary(sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+    """One row per (job, allocator): the job's overrides, then its comparison row; and the keys
+    whose values differ between jobs (the swept ones)."""
+    frames = []
+    for job in sorted((p for p in sweep_dir.iterdir() if (p / COMPARISON_FILE).is_file()),
+                      key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+        frame = pd.read_csv(job / COMPARISON_FILE)
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        lines = overrides_file.read_text().splitlines() if overrides_file.is_file() else []
+        for line in reversed(lines):
+            key, _, value = line.removeprefix("- ").partition("=")
+            if key and not key.startswith(("+", "hydra")):
+                frame.insert(0, key, _scalar(value))
+        frame.insert(0, "job", job.name)
+        frames.append(frame)
+    summary = pd.concat(frames, ignore_index=True)
+    override_keys = list(summary.columns[1:summary.columns.get_loc("allocator")])
+    swept = [k for k in override_keys if summary.groupby("job")[k].first().nunique() > 1]
+    return summary, swept
+
+
+def plot_sweep(summary: pd.DataFrame, key: str, path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(SWEEP_METRICS), figsize=(4 * len(SWEEP_METRICS), 3.6))
+    for ax, (column, label) in zip(axes, SWEEP_METRICS):
+        for name, rows in summary.groupby("allocator", sort=False):
+            rows = rows.sort_values(key)
+            ax.plot(rows[key], rows[column], marker="o", label=name)
+        ax.set_xlabel(key)
+        ax.set_title(label)
+        if summary[key].min() > 0 and summary[key].max() / summary[key].min() > 16:
+            ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def report_sweep(sweep_dir: Path) -> list[Path]:
+    summary, swept = sweep_summary(sweep_dir)
+    written = [sweep_dir / "sweep_summary.csv"]
+    write_csv(written[0], summary)
+    if len(swept) == 1 and pd.api.types.is_numeric_dtype(summary[swept[0]]):
+        written.append(sweep_dir / "sweep.png")
+        plot_sweep(summary, swept[0], written[-1])
+    return written
+
+
+def report(run_dir: Path) -> list[Path]:
+    """Redraw a run directory's plots and write its memory breakdown as CSV; for a sweep
+    directory, write sweep_summary.csv (and sweep.png when one numeric key was swept)."""
     comparison_path = run_dir / COMPARISON_FILE
     if not comparison_path.is_file():
+        if run_dir.is_dir() and any((p / COMPARISON_FILE).is_file() for p in run_dir.iterdir()):
+            return report_sweep(run_dir)
         raise KvsimError(f"no {COMPARISON_FILE} in '{run_dir}', key run_dir, "
-                         f"pass a directory written by 'python -m sim run'")
+                         f"pass a directory written by 'python -m sim run' or a sweep directory")
     comparison = pd.read_csv(comparison_path)
     plot_comparison(comparison, run_dir / "memory_breakdown.png")
     timelines = {}
@@ -105,4 +170,5 @@ def report(run_dir: Path) -> Path:
         plot_kv_usage(timelines, run_dir / "kv_usage.png")
     columns = ["allocator"] + [f"kv.{key}_frac" for key, _, _ in BREAKDOWN] + ["kv.waste_frac"]
     write_csv(run_dir / "memory_breakdown.csv", comparison[columns])
-    return run_dir
+    written = [run_dir / "memory_breakdown.png", run_dir / "memory_breakdown.csv"]
+    return written + ([run_dir / "kv_usage.png"] if timelines else [])

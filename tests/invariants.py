@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sim.kvcache.base import slack_split
 from sim.kvcache.block import BlockAllocator
 from sim.kvcache.contiguous import ContiguousAllocator
 
@@ -33,25 +32,33 @@ def check_block_allocator(alloc: BlockAllocator, live: dict) -> None:
 
 
 def _block_token_states(alloc: BlockAllocator) -> int:
-    size, slack = alloc.block_size, 0
+    """Slots holding KV, block by block: a shared block counts once, filled as far as any owner."""
+    size, filled = alloc.block_size, {}
     for seq_id, table in alloc.tables.items():
-        reserved, internal = slack_split(len(table) * size, alloc.num_allocated_tokens[seq_id],
-                                         alloc.final_len[seq_id])
-        slack += reserved + internal
-    used = {b for table in alloc.tables.values() for b in table}
-    return len(used) * size - slack
+        tokens = alloc.num_allocated_tokens[seq_id]
+        for i, block in enumerate(table):
+            filled[block] = max(filled.get(block, 0), min(size, tokens - i * size))
+    return sum(filled.values())
 
 
 def check_contiguous_allocator(alloc: ContiguousAllocator, live: dict) -> None:
     spans = sorted([*alloc.holes(), *alloc.extents.values()])
+    assert all(alloc.reservation[i] <= n for i, (_, n) in alloc.extents.items())
     position = 0
     for start, length in spans:  # holes and extents tile the address space exactly
         assert start == position and length > 0
         position += length
     assert position == alloc.num_slots
     holes = alloc.holes()
-    for (s1, n1), (s2, _) in zip(holes, holes[1:]):
-        assert s1 + n1 < s2, "adjacent holes were not coalesced"
+    if type(alloc.space).__name__ == "FirstFit":
+        for (s1, n1), (s2, _) in zip(holes, holes[1:]):
+            assert s1 + n1 < s2, "adjacent holes were not coalesced"
+    else:  # buddy: blocks are aligned powers of two, and no two free buddies stay apart
+        starts = {(start, n) for start, n in holes}
+        for start, n in holes:
+            assert n & (n - 1) == 0 and start % n == 0
+            buddy = (start ^ n, n)
+            assert buddy not in starts or start ^ n >= alloc.num_slots
     assert set(alloc.extents) == set(live)
     for seq_id, seq in live.items():
         assert alloc.num_allocated_tokens[seq_id] == seq.num_allocated

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.kvcache.block import BlockAllocator
-from tests.helpers import seq
+from tests.helpers import Seq, seq
 from tests.invariants import check_block_allocator
 
 
@@ -90,16 +90,17 @@ PROMPTS = [[(1, 7)], [(1, 7), (2, 5)], [(1, 7), (3, 9)], [(4, 13)], [(1, 3)]]
 
 @st.composite
 def operations(draw):
-    return draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free"]),
+    return draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "fork"]),
                                    st.integers(0, len(PROMPTS) - 1), st.integers(1, 6)),
                          min_size=1, max_size=40))
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops=operations(), block_size=st.sampled_from([1, 2, 4, 8]), caching=st.booleans(),
-       num_blocks=st.integers(4, 24))
-def test_block_allocator_invariants_hold_after_every_operation(ops, block_size, caching, num_blocks):
-    alloc = BlockAllocator(num_blocks, block_size, enable_caching=caching)
+       num_blocks=st.integers(4, 24), eviction=st.sampled_from(["lru", "lfu", "fifo"]))
+def test_block_allocator_invariants_hold_after_every_operation(ops, block_size, caching, num_blocks,
+                                                               eviction):
+    alloc = BlockAllocator(num_blocks, block_size, enable_caching=caching, eviction=eviction)
     live, tokens, next_id = {}, {}, 100
     for kind, which, amount in ops:
         if kind == "new":
@@ -120,5 +121,34 @@ def test_block_allocator_invariants_hold_after_every_operation(ops, block_size, 
             s = live.pop(sorted(live)[which % len(live)])
             del tokens[s.seq_id]
             alloc.free(s)
+        elif kind == "fork" and live:
+            parent = live[sorted(live)[which % len(live)]]
+            child = Seq(next_id, parent.request, parent.num_tokens, parent.final_len)
+            next_id += 1
+            assert alloc.fork(parent, child)
+            live[child.seq_id], tokens[child.seq_id] = child, tokens[parent.seq_id]
+            assert alloc.tables[child.seq_id] == alloc.tables[parent.seq_id]
         check_block_allocator(alloc, live)
         assert all(alloc.num_allocated_tokens[i] == n for i, n in tokens.items())
+
+
+def test_lfu_and_fifo_evict_unkeyed_blocks_first_then_by_their_key():
+    def evicted(policy):
+        alloc = BlockAllocator(num_blocks=4, block_size=4, enable_caching=True, eviction=policy)
+        x, y = seq(1, [(1, 4)], output_len=1), seq(2, [(2, 4)], output_len=1)
+        alloc.allocate(x, 4)
+        alloc.free(x)                                    # block 0 keyed by x, cached first
+        alloc.allocate(y, 4)
+        alloc.free(y)                                    # block 1 keyed by y
+        for i in range(2):                               # x's block hit twice
+            probe = seq(10 + i, [(1, 4), (5, 1)])
+            hit = alloc.lookup_prefix(probe)
+            alloc.allocate(probe, 1, hit)
+            alloc.free(probe)
+        z = seq(3, [(3, 12)])
+        alloc.allocate(z, 12)                            # takes the 2 unkeyed blocks, then 1 keyed
+        return [name for name, s in (("x", x), ("y", y))
+                if s.request.prefix_key(4) not in alloc.cached]
+    assert evicted("lfu") == ["y"]       # y's block had fewer hits
+    assert evicted("fifo") == ["x"]      # x's block was cached first
+    assert evicted("lru") == ["y"]       # vLLM's queue: x's block was freed last

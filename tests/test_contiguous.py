@@ -69,9 +69,10 @@ class Live:
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["new", "grow", "free"]), st.integers(0, 50),
                               st.integers(1, 12)), min_size=1, max_size=40),
-       policy=st.sampled_from(["max", "pow2", "oracle"]))
-def test_contiguous_invariants_hold_after_every_operation(ops, policy):
-    alloc = ContiguousAllocator(num_slots=120, max_model_len=32, reserve=policy)
+       policy=st.sampled_from(["max", "pow2", "oracle"]), placement=st.sampled_from(["first_fit", "buddy"]),
+       num_slots=st.integers(32, 130))
+def test_contiguous_invariants_hold_after_every_operation(ops, policy, placement, num_slots):
+    alloc = ContiguousAllocator(num_slots=num_slots, max_model_len=32, reserve=policy, placement=placement)
     live, next_id = {}, 1
     for kind, pick, amount in ops:
         if kind == "new":
@@ -83,7 +84,7 @@ def test_contiguous_invariants_hold_after_every_operation(ops, policy):
                 live[s.seq_id].num_allocated = amount
         elif kind == "grow" and live:
             entry = live[sorted(live)[pick % len(live)]]
-            room = alloc.extents[entry.seq.seq_id][1] - entry.num_allocated
+            room = alloc.reservation[entry.seq.seq_id] - entry.num_allocated
             step = min(amount, room, entry.seq.final_len - entry.num_allocated)
             if step > 0:
                 alloc.allocate(entry.seq, step)
@@ -92,3 +93,34 @@ def test_contiguous_invariants_hold_after_every_operation(ops, policy):
             entry = live.pop(sorted(live)[pick % len(live)])
             alloc.free(entry.seq)
         check_contiguous_allocator(alloc, live)
+
+
+def test_buddy_splits_to_the_smallest_order_and_merges_buddies_back():
+    alloc = ContiguousAllocator(num_slots=48, max_model_len=32, reserve="oracle", placement="buddy")
+    a = seq(1, [(1, 5)], output_len=1)                       # L = 6 -> an 8-slot block
+    b = seq(2, [(2, 9)], output_len=1)                       # L = 10 -> a 16-slot block
+    # The space is two chunks, [0, 32) and [32, 48); the smallest order that fits splits first.
+    assert alloc.allocate(a, 5) == ((32, 8),)                # [32, 48) split into 8 + 8
+    assert alloc.allocate(b, 9) == ((0, 16),)                # [0, 32) split into 16 + 16
+    assert alloc.holes() == [(16, 16), (40, 8)]
+    usage = alloc.usage()
+    # Oracle reserves exactly L: no internal fragmentation; the power-of-two round-up (2 + 6
+    # slots) is external fragmentation, as the PagedAttention paper's Figure 2 counts it.
+    assert (usage.reserved, usage.internal_frag, usage.external_frag) == (2, 0, 8)
+    alloc.free(a)
+    assert alloc.holes() == [(16, 16), (32, 16)]             # [32, 40) and [40, 48) merged
+    alloc.free(b)
+    assert alloc.holes() == [(0, 32), (32, 16)]              # back to the two chunks
+
+
+def test_buddy_external_fragmentation_counts_free_blocks_of_too_low_an_order():
+    alloc = ContiguousAllocator(num_slots=32, max_model_len=16, reserve="max", placement="buddy")
+    first, second = seq(1, [(1, 4)]), seq(2, [(2, 4)])
+    alloc.allocate(first, 4)
+    alloc.allocate(second, 4)
+    alloc.free(first)                                         # free: [0, 16); used: [16, 32)
+    small = ContiguousAllocator(num_slots=24, max_model_len=16, reserve="max", placement="buddy")
+    small.allocate(seq(3, [(3, 4)]), 4)                       # takes the 16-chunk; 8 left
+    waiting = seq(4, [(4, 4)])
+    assert small.usage(first_waiting=waiting).external_frag == 8
+    assert alloc.usage(first_waiting=waiting).external_frag == 0

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.kvcache.radix import RadixAllocator
-from tests.helpers import seq
+from tests.helpers import Seq, seq
 
 
 def edges(alloc):
@@ -85,7 +85,7 @@ def test_lru_lfu_and_fifo_choose_different_victims():
 
 @st.composite
 def operations(draw):
-    return draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free"]), st.integers(0, 4),
+    return draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "fork"]), st.integers(0, 4),
                                    st.integers(1, 6)), min_size=1, max_size=40))
 
 
@@ -113,6 +113,12 @@ def test_radix_invariants_hold_after_every_operation(ops, page, pages, policy):
                 s.num_tokens -= amount
         elif kind == "free" and live:
             alloc.free(live.pop(sorted(live)[which % len(live)]))
+        elif kind == "fork" and live:
+            parent = live[sorted(live)[which % len(live)]]
+            child = Seq(next_id, parent.request, parent.num_tokens, parent.final_len)
+            next_id += 1
+            if alloc.fork(parent, child):
+                live[child.seq_id] = child
         check_radix(alloc, live)
 
 

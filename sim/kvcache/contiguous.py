@@ -10,6 +10,10 @@ or a buddy system, so external fragmentation is measured from the actual holes, 
 
     address space:  [ seq 3 ######.... ][ hole ][ seq 8 ####...... ][ hole ............ ]
                       computed ^ reserved         buddy also rounds each extent up to 2^k
+
+Breakdown of an extent: [computed, L) reserved, [L, reservation) internal fragmentation,
+[reservation, extent) external fragmentation (buddy's round-up, as the paper's Figure 2 counts
+it), plus, while a request waits, every hole too small for it.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ class ContiguousAllocator:
         self.num_slots, self.max_model_len, self.reserve = num_slots, max_model_len, reserve
         self.space = PLACEMENTS[placement](num_slots)
         self.extents: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
+        self.reservation: dict[int, int] = {}  # seq_id -> slots reserved (<= extent length)
+        self.total_rounding = 0  # extent slots beyond reservations (buddy's power-of-two round-up)
         self.num_allocated_tokens: dict[int, int] = {}
         self.final_len: dict[int, int] = {}
         self.total_tokens = 0
@@ -66,10 +72,13 @@ class ContiguousAllocator:
         seq_id = seq.seq_id
         extent = self.extents.get(seq_id)
         if extent is None:
-            extent = self.space.place(self.reservation_of(seq))
+            wanted = self.reservation_of(seq)
+            extent = self.space.place(wanted)
             if extent is None:
                 return None
             self.extents[seq_id] = extent
+            self.reservation[seq_id] = wanted
+            self.total_rounding += extent[1] - wanted
             self.num_allocated_tokens[seq_id] = 0
             self.final_len[seq_id] = seq.final_len
             new, before = (extent,), 0
@@ -77,8 +86,9 @@ class ContiguousAllocator:
             new, before = (), self.num_allocated_tokens[seq_id]
             self._drop_slack(seq_id, before)
         after = before + num_new_tokens
-        if after > extent[1]:
-            raise AssertionError(f"sequence {seq_id} outgrew its reservation of {extent[1]} slots")
+        if after > self.reservation[seq_id]:
+            raise AssertionError(f"sequence {seq_id} outgrew its reservation of "
+                                 f"{self.reservation[seq_id]} slots")
         self.num_allocated_tokens[seq_id] = after
         self.total_tokens += num_new_tokens
         self._add_slack(seq_id, after)
@@ -96,34 +106,35 @@ class ContiguousAllocator:
         seq_id = seq.seq_id
         start, length = self.extents.pop(seq_id)
         tokens = self.num_allocated_tokens[seq_id]
-        self._drop_slack(seq_id, tokens, length)
+        self._drop_slack(seq_id, tokens)
         self.total_tokens -= tokens
+        self.total_rounding -= length - self.reservation.pop(seq_id)
         del self.num_allocated_tokens[seq_id], self.final_len[seq_id]
         self.space.release(start, length)
 
     def usage(self, first_waiting=None) -> KVUsage:
         num_free = self.num_slots - sum(length for _, length in self.extents.values())
-        external = 0
+        unusable = 0
         if first_waiting is not None:
-            external = self.space.unusable_slots(self.reservation_of(first_waiting))
+            unusable = self.space.unusable_slots(self.reservation_of(first_waiting))
         return KVUsage(capacity=self.num_slots, token_states=self.total_tokens,
                        reserved=self.total_reserved, internal_frag=self.total_internal,
-                       external_frag=external, cached_idle=0, free=num_free - external)
+                       external_frag=unusable + self.total_rounding, cached_idle=0,
+                       free=num_free - unusable)
 
     def holes(self) -> list[tuple[int, int]]:
         return self.space.holes()
 
     # -- mechanics ---------------------------------------------------------------------------
-    def _slack(self, seq_id: int, tokens: int, length: int | None = None) -> tuple[int, int]:
-        length = self.extents[seq_id][1] if length is None else length
-        return slack_split(length, tokens, self.final_len[seq_id])
+    def _slack(self, seq_id: int, tokens: int) -> tuple[int, int]:
+        return slack_split(self.reservation[seq_id], tokens, self.final_len[seq_id])
 
     def _add_slack(self, seq_id, tokens) -> None:
         reserved, internal = self._slack(seq_id, tokens)
         self.total_reserved += reserved
         self.total_internal += internal
 
-    def _drop_slack(self, seq_id, tokens, length=None) -> None:
-        reserved, internal = self._slack(seq_id, tokens, length)
+    def _drop_slack(self, seq_id, tokens) -> None:
+        reserved, internal = self._slack(seq_id, tokens)
         self.total_reserved -= reserved
         self.total_internal -= internal
