@@ -20,7 +20,8 @@ REQUEST_COLUMNS = ("request_id", "session_id", "turn", "replica", "status", "arr
                    "first_token_time_s", "finish_time_s", "prompt_tokens", "output_tokens",
                    "total_output_tokens", "num_samples", "prefix_hit_tokens", "num_preemptions")
 TIMELINE_COLUMNS = ("replica", "time_s", "capacity", *USAGE_FIELDS, "batch_size",
-                    "num_batched_tokens", "num_running", "num_waiting", "num_preempted")
+                    "num_batched_tokens", "num_running", "num_waiting", "num_preempted",
+                    "num_swapped_tokens")
 
 
 class Recorder:
@@ -30,14 +31,14 @@ class Recorder:
 
     def record_initial(self, replica: int, time_s: float, allocator) -> None:
         usage = allocator.usage(None)
-        self.timeline.append((replica, time_s, usage.capacity, *usage.as_tuple(), 0, 0, 0, 0, 0))
+        self.timeline.append((replica, time_s, usage.capacity, *usage.as_tuple(), 0, 0, 0, 0, 0, 0))
 
     def record_step(self, replica: int, time_s: float, plan, scheduler) -> None:
         usage = scheduler.allocator.usage(scheduler.first_waiting)
         self.timeline.append((
             replica, time_s, usage.capacity, *usage.as_tuple(), len(plan.scheduled),
             sum(n for _, n in plan.scheduled), len(scheduler.running), len(scheduler.waiting),
-            plan.num_preempted))
+            plan.num_preempted, plan.shape.swap_tokens))
 
     def record_finished(self, samples) -> None:
         """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
@@ -123,7 +124,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                          "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens},
         "scheduler": {"num_preemptions": int(done.num_preemptions.sum()),
                       "mean_batch_size": float(steps.batch_size.mean()) if len(steps) else 0.0,
-                      "num_steps": int(len(steps))},
+                      "num_steps": int(len(steps)),
+                      "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
         "latency_profile": {"gpu": gpu, "source": profile_source},
     }
 

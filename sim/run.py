@@ -95,10 +95,10 @@ def prepare(cfg: DictConfig) -> Setup:
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
-        if name not in configs:
-            raise ConfigError(f"allocator_options names '{name}', which is not in allocators "
-                              f"{list(configs)}, key allocator_options, add it to allocators or drop it")
-        configs[name] = OmegaConf.merge(configs[name], values)
+        if name not in available_allocators():
+            raise UnknownNameError("allocator", name, available_allocators(), "key allocator_options")
+        if name in configs:  # options for allocators not run this time are kept for the next
+            configs[name] = OmegaConf.merge(configs[name], values)
     for name, allocator_cfg in configs.items():  # fail on a bad allocator config up front
         _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
                      max_model_len=spec.max_model_len)

@@ -9,7 +9,7 @@ def timeline(rows):
     # rows: (replica, time, token_states, reserved, internal, external, cached, free)
     records = []
     for replica, time_s, *parts in rows:
-        records.append((replica, time_s, sum(parts), *parts, 1, 1, 1, 0, 0))
+        records.append((replica, time_s, sum(parts), *parts, 1, 1, 1, 0, 0, 0))
     return pd.DataFrame.from_records(records, columns=TIMELINE_COLUMNS)
 
 
