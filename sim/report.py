@@ -64,6 +64,10 @@ def plot_comparison(comparison: pd.DataFrame, path: Path) -> None:
     right.bar(names, comparison["throughput.output_tokens_per_s"], color="#4C72B0")
     right.set_ylabel("output tokens / s")
     right.set_title("Throughput")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
