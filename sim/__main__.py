@@ -1,4 +1,4 @@
-"""`python -m sim <command> [key=value ...]`: run | kv | report.
+"""`python -m sim <command> [key=value ...]`: run | kv | trace-stats | report.
 
 The subcommand word is removed from sys.argv before Hydra sees it (Hydra would read `run` as a
 malformed override), the overrides are validated, then that subcommand's Hydra app runs.
@@ -10,10 +10,11 @@ import sys
 import hydra
 
 from sim.cli import CONFIG_MODULE, fail, guarded, split_flags, validate
-from sim.commands import kv_task, report_task, run_task
+from sim.commands import kv_task, report_task, run_task, trace_stats_task
 
-COMMANDS = {"run": ("run", run_task), "kv": ("kv", kv_task), "report": ("report", report_task)}
-USAGE = "usage: python -m sim {run|kv|report} [key=value ...] [-m] [--cfg job]"
+COMMANDS = {"run": ("run", run_task), "kv": ("kv", kv_task), "report": ("report", report_task),
+            "trace-stats": ("trace_stats", trace_stats_task)}
+USAGE = "usage: python -m sim {run|kv|trace-stats|report} [key=value ...] [-m] [--cfg job]"
 
 
 def main(argv: list[str] | None = None) -> None:

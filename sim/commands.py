@@ -91,3 +91,33 @@ def report_task(cfg: DictConfig) -> None:
 
     written = report(Path(cfg.run_dir))
     print("wrote " + ", ".join(str(p) for p in written))
+
+
+def trace_stats_task(cfg: DictConfig) -> None:
+    """Statistics of a trace (trace.path=...) or of a scenario (scenario=NAME)."""
+    from hydra.utils import instantiate
+
+    from sim.workload.stats import scenario_stats, trace_stats
+    from sim.workload.trace import TraceSpec
+
+    if cfg.format not in ("text", "json"):
+        raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
+    if cfg.scenario is not None:
+        name = HydraConfig.get().runtime.choices.get("scenario")
+        workload = instantiate(cfg.scenario, _partial_=True)().generate(cfg.seed)
+        stats = scenario_stats(workload, cfg.block_size, name)
+    else:
+        stats = trace_stats(TraceSpec(**OmegaConf.to_container(cfg.trace, resolve=True)), cfg.seed)
+    if cfg.format == "json":
+        print(json.dumps(stats))
+        return
+    print(f"source: {stats['format']}")
+    print(f"requests: {stats['num_requests']:,}  sessions: {stats['num_sessions']:,}  "
+          f"duration: {stats['duration_s']:.1f} s  rate: {stats['arrival_rate_rps']:.3f} req/s")
+    for kind in ("input", "output"):
+        print(f"{kind} tokens: mean {stats[f'mean_{kind}_tokens']:.1f}  p50 {stats[f'p50_{kind}_tokens']:.0f}  "
+              f"p99 {stats[f'p99_{kind}_tokens']:.0f}")
+    print(f"ideal prefix hit rate: {stats['ideal_prefix_hit_rate']:.4f} "
+          f"(infinite cache, {stats['block_size']}-token blocks)")
+    if stats["num_skipped_records"] or stats["num_failed_requests"]:
+        print(f"skipped records: {stats['num_skipped_records']}  failed requests: {stats['num_failed_requests']}")

@@ -23,6 +23,25 @@ class ClusterConfig:
 
 
 @dataclass
+class TraceConfig:
+    """`trace.*` keys of scenario=trace and trace-stats (meanings in scenarios/run.yaml)."""
+    path: Optional[str] = None
+    format: str = "auto"
+    max_requests: Optional[int] = None
+    start_s: Optional[float] = None
+    end_s: Optional[float] = None
+    time_scale: float = 1.0
+    target_rate_rps: Optional[float] = None
+    repeat: int = 1
+    sort: bool = False
+    on_error: str = "raise"
+    timing: str = "closed"
+    share_preamble: bool = False
+    arrival_process: str = "poisson"
+    arrival_rate_rps: float = 1.0
+
+
+@dataclass
 class RunConfig:
     scenario: Any = MISSING
     model: Any = MISSING
@@ -48,6 +67,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     task: str = "compare"
     sharing: Any = None
+    trace: TraceConfig = field(default_factory=TraceConfig)
     plots: bool = True
     quiet: bool = False
 
@@ -67,12 +87,22 @@ class ReportConfig:
     run_dir: str = MISSING
 
 
+@dataclass
+class TraceStatsConfig:
+    scenario: Any = None
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    block_size: int = MISSING
+    seed: int = MISSING
+    format: str = MISSING
+
+
 def register_schemas() -> None:
     """Called by the CLI before composing; nothing is registered at import time."""
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
     store.store(name="kv_schema", node=KvConfig)
     store.store(name="report_schema", node=ReportConfig)
+    store.store(name="trace_stats_schema", node=TraceStatsConfig)
 
 
 @dataclass(frozen=True, slots=True)

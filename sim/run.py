@@ -4,6 +4,7 @@ The only module that knows every other one.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -24,6 +25,8 @@ from sim.metrics import Recorder, summarize
 from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
 from sim.scheduler import Scheduler, SchedulerSpec
 from sim.workload.request import Workload
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     spec = engine_spec(cfg)
     model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    _check_context_window(model, spec.max_model_len)
     profile = load_profile(spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
@@ -103,6 +107,22 @@ def prepare(cfg: DictConfig) -> Setup:
         _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
                      max_model_len=spec.max_model_len)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+MAX_EXTENDED_MODEL_LEN = 1_048_576
+
+
+def _check_context_window(model: ModelSpec, max_model_len: int) -> None:
+    """Beyond the model's native window (as with RoPE scaling) up to 1M tokens, with a warning."""
+    native = model.max_position_embeddings
+    if not native or max_model_len <= native:
+        return
+    if max_model_len > MAX_EXTENDED_MODEL_LEN:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds {model.name}'s native window {native} "
+                          f"and the 1,048,576 limit for extended windows, key max_model_len, "
+                          f"use at most {max(native, MAX_EXTENDED_MODEL_LEN)}")
+    log.warning("max_model_len=%d exceeds %s's native window of %d tokens; simulated as if the "
+                "window were extended (RoPE scaling)", max_model_len, model.name, native)
 
 
 def build_workload(cfg: DictConfig, seed: int) -> Workload:
@@ -134,6 +154,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) 
     requests, timeline = recorder.tables()
     metrics = summarize(requests, timeline, wall_time_s=time.perf_counter() - started,
                         gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source)
+    metrics["workload"] = {"num_skipped_records": workload.num_skipped_records,
+                           "num_failed_requests": workload.num_failed_requests}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
 

@@ -35,7 +35,8 @@ def test_every_model_option_prepares(model):
 
 @pytest.mark.parametrize("scenario", options("scenario"))
 def test_every_scenario_option_generates(scenario):
-    cfg = compose_config("run", [f"scenario={scenario}"])
+    extra = ["trace.path=sample:mooncake", "trace.max_requests=50"] if scenario == "trace" else []
+    cfg = compose_config("run", [f"scenario={scenario}", *extra])
     assert build_workload(cfg, 0).num_requests > 0
 
 

@@ -11,15 +11,15 @@ class Cluster:
     def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int):
         self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
         self.replicas = []
-        self._sessions: dict[int, Session] = {}
+        self._sessions: dict[tuple[int, int], Session] = {}
         self._samples: dict[int, list[Sequence]] = {}  # request id -> finished samples so far
 
     def add_replica(self, replica) -> None:
         self.replicas.append(replica)
 
     def start(self, workload: Workload) -> None:
-        sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id))
-        self._sessions = {s.session_id: s for s in sessions}
+        sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id, s.chain))
+        self._sessions = {(s.session_id, s.chain): s for s in sessions}
         self.env.process(self._arrivals(sessions))
 
     def _arrivals(self, sessions):
@@ -48,7 +48,7 @@ class Cluster:
                 return
             del self._samples[seq.request.request_id]
         self.recorder.record_finished(samples)
-        session = self._sessions[seq.request.session_id]
+        session = self._sessions[seq.request.session_id, seq.request.chain]
         turn = seq.request.turn + 1
         if turn < len(session.turns):
             delay = self.env.timeout(session.turns[turn].think_time_s)

@@ -14,12 +14,7 @@ import numpy as np
 
 from sim.errors import ConfigError
 from sim.workload.request import PrefixInterner, Session, Workload, make_request
-from sim.workload.sampling import lognormal_tokens, zipf_choice
-
-# A shared segment whose length were a multiple of common block sizes would make hit rates
-# independent of block size; nudge such lengths off the 16-token grid.
-ALIGNMENT_AVOIDED = 16
-
+from sim.workload.sampling import lognormal_tokens, off_grid, poisson_arrivals, zipf_choice
 
 @dataclass(frozen=True, slots=True)
 class RagAgentsSpec:
@@ -54,23 +49,19 @@ class RagAgentsSpec:
         return generate(self, seed)
 
 
-def _off_grid(n: int) -> int:
-    return n + 1 if n % ALIGNMENT_AVOIDED == 0 else n
-
-
 def generate(spec: RagAgentsSpec, seed: int) -> Workload:
     arrivals_rng, apps_rng, corpus_rng, session_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
     sigma = spec.length_sigma
     next_content = iter(range(1, 1 << 62)).__next__
-    system = [(next_content(), _off_grid(int(n))) for n in
+    system = [(next_content(), off_grid(int(n))) for n in
               lognormal_tokens(apps_rng, spec.system_prompt_tokens_mean, sigma, spec.num_applications)]
-    tools = [(next_content(), _off_grid(int(n))) for n in
+    tools = [(next_content(), off_grid(int(n))) for n in
              lognormal_tokens(apps_rng, spec.tool_definitions_tokens_mean, sigma, spec.num_applications)]
-    docs = [(next_content(), _off_grid(int(n))) for n in
+    docs = [(next_content(), off_grid(int(n))) for n in
             lognormal_tokens(corpus_rng, spec.doc_tokens_mean, sigma, spec.corpus_size)]
 
-    arrival_times = np.cumsum(arrivals_rng.exponential(1.0 / spec.session_rate_per_s, spec.num_sessions))
+    arrival_times = poisson_arrivals(arrivals_rng, spec.session_rate_per_s, spec.num_sessions)
     session_apps = zipf_choice(apps_rng, spec.num_applications, spec.application_zipf, spec.num_sessions)
     interner, sessions, request_id = PrefixInterner(), [], 0
     for session_id in range(spec.num_sessions):

@@ -42,6 +42,7 @@ class Request:
     # Delay between the previous turn's finish and this turn's arrival (tool call, thinking).
     think_time_s: float = 0.0
     n: int = 1
+    chain: int = 0  # a session's independent closed-loop chains (agentic subagents)
 
     def prefix_key(self, end: int) -> tuple[int, int, int]:
         """Identity of tokens [0, end), end >= 1, over prompt then generated output."""
@@ -82,16 +83,31 @@ def make_request(interner: PrefixInterner, request_id: int, segments, output_len
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """Turns that arrive one after another: turn k+1 after turn k finished plus its think time."""
+    """Turns that arrive one after another: turn k+1 after turn k finished plus its think time.
+
+    A session with subagents is several Session objects with the same session_id, one per chain.
+    """
     session_id: int
     arrival_time_s: float
     turns: tuple[Request, ...] = field(default_factory=tuple)
+    chain: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     sessions: tuple[Session, ...]
+    num_skipped_records: int = 0   # malformed trace records skipped with trace.on_error=skip
+    num_failed_requests: int = 0   # requests the trace marks as failed (BurstGPT zero responses)
 
     @property
     def num_requests(self) -> int:
         return sum(len(s.turns) for s in self.sessions)
+
+
+def independent_requests(arrivals, prompts, output_lens, next_content, n: int = 1) -> Workload:
+    """One single-turn session per request: prompts[i] (segments) arriving at arrivals[i]."""
+    interner, sessions = PrefixInterner(), []
+    for i, (arrival, segments, output_len) in enumerate(zip(arrivals, prompts, output_lens)):
+        request = make_request(interner, i, segments, int(output_len), next_content(), session_id=i, n=n)
+        sessions.append(Session(i, float(arrival), (request,)))
+    return Workload(tuple(sessions))

@@ -11,7 +11,7 @@ import numpy as np
 
 from sim.errors import ConfigError
 from sim.workload.request import PrefixInterner, Session, Workload, make_request
-from sim.workload.sampling import lognormal_tokens
+from sim.workload.sampling import lognormal_tokens, poisson_arrivals
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class SyntheticSpec:
         arrivals_rng, lengths_rng = (np.random.default_rng(s)
                                      for s in np.random.SeedSequence(seed).spawn(2))
         n = self.num_requests
-        arrivals = np.cumsum(arrivals_rng.exponential(1.0 / self.request_rate_per_s, n))
+        arrivals = poisson_arrivals(arrivals_rng, self.request_rate_per_s, n)
         inputs = lognormal_tokens(lengths_rng, self.input_tokens_mean, self.length_sigma, n)
         outputs = lognormal_tokens(lengths_rng, self.output_tokens_mean, self.length_sigma, n)
         if self.max_total_tokens:
