@@ -101,6 +101,10 @@ def test_multirun_sweeps(tmp_path):
     (["fly"], ["unknown command 'fly'"]),
     (["kv", "model=nope"], ["unknown model 'nope'"]),
     (["report", "run_dir=missing"], ["comparison.csv", "missing"]),
+    (["trace-stats", "trace.path=missing.jsonl"], ["no such file", "missing.jsonl"]),
+    (["trace-stats", "trace.path=sample:mooncake", "trace.format=xml"], ["unknown trace format 'xml'"]),
+    (["trace-stats"], ["trace.path is not set"]),
+    (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)
@@ -111,3 +115,34 @@ def test_an_impossible_config_leaves_no_result_that_looks_complete(tmp_path):
     assert out.returncode == 2
     assert not list((tmp_path / "bad").rglob("metrics.json"))
     assert not list((tmp_path / "bad").rglob("comparison.csv"))
+
+
+def test_trace_stats_json_has_the_documented_keys(tmp_path):
+    out = sim(tmp_path, "trace-stats", "trace.path=sample:agentic", "trace.format=agentic", "format=json")
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    for key in ("num_requests", "num_sessions", "duration_s", "mean_input_tokens",
+                "mean_output_tokens", "p99_input_tokens", "ideal_prefix_hit_rate"):
+        assert key in stats
+    assert stats["num_sessions"] == 4 and stats["block_size"] == 64
+    scenario = json.loads(sim(tmp_path, "trace-stats", "scenario=chat", "format=json").stdout)
+    assert scenario["num_sessions"] == 400 and scenario["ideal_prefix_hit_rate"] > 0.5
+
+
+def test_malformed_trace_through_the_cli(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+                                        '{"timestamp": 1, "input_length": "x", "output_length": 1, "hash_ids": [1]}\n')
+    result = sim(tmp_path, "run", "scenario=trace", "trace.path=bad.jsonl", "hydra.run.dir=r")
+    assert_one_line_error(result, "bad.jsonl:2 field input_length")
+    assert not list((tmp_path / "r").rglob("metrics.json"))
+    skipped = sim(tmp_path, "trace-stats", "trace.path=bad.jsonl", "trace.on_error=skip", "format=json")
+    assert json.loads(skipped.stdout)["num_skipped_records"] == 1
+
+
+def test_replaying_a_shipped_trace(tmp_path):
+    out = sim(tmp_path, "run", "scenario=trace", "trace.path=sample:agentic", "trace.format=agentic",
+              "trace.share_preamble=true", "allocators=[prefix]", "hydra.run.dir=t", "plots=false")
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "t" / "prefix" / "metrics.json").read_text())
+    assert metrics["num_finished"] + metrics["num_rejected"] == metrics["num_requests"] == 38
+    assert metrics["prefix_cache"]["hit_rate"] > 0.5

@@ -32,8 +32,9 @@ class Cluster:
     def _submit(self, session: Session, turn: int) -> None:
         request = session.turns[turn]
         if request.prompt_len > self.max_model_len:
-            # As vLLM rejects such a prompt; the session cannot continue past it.
+            # vLLM rejects such a prompt at once; the client goes on with its next turn.
             self.recorder.record_rejected(request, self.env.now)
+            self._next_turn(session, turn + 1)
             return
         seq = Sequence(request, self.env.now, self.max_model_len)
         self.replicas[self.router(self.replicas, request)].submit(seq)
@@ -48,8 +49,9 @@ class Cluster:
                 return
             del self._samples[seq.request.request_id]
         self.recorder.record_finished(samples)
-        session = self._sessions[seq.request.session_id, seq.request.chain]
-        turn = seq.request.turn + 1
+        self._next_turn(self._sessions[seq.request.session_id, seq.request.chain], seq.request.turn + 1)
+
+    def _next_turn(self, session: Session, turn: int) -> None:
         if turn < len(session.turns):
             delay = self.env.timeout(session.turns[turn].think_time_s)
             delay.callbacks.append(lambda _event: self._submit(session, turn))

@@ -15,28 +15,29 @@ FORMAT = TraceFormat("azure", block_size=0, covers_partial_block=False, has_time
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-def parse_timestamp(text: str, where: str) -> float:
-    """Seconds since the epoch of `YYYY-MM-DD HH:MM:SS[.fffffff]` (more digits than datetime takes)."""
+def parse_timestamp(text: str, where: str) -> tuple[int, float]:
+    """(whole seconds since the epoch, fraction) of `YYYY-MM-DD HH:MM:SS[.fffffff]`: more digits
+    than datetime takes, kept apart so that differences stay exact to 100 ns."""
     stamp = text.strip()
     whole, _, fraction = stamp.partition(".")
     try:
-        seconds = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp()
+        seconds = int(datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp())
     except ValueError:
         raise TraceError(f"TIMESTAMP '{text}' is not YYYY-MM-DD HH:MM:SS.fffffff", where, "TIMESTAMP",
                          "write timestamps like 2023-11-16 18:17:03.9799600") from None
     if fraction and not fraction.isdigit():
         raise TraceError(f"TIMESTAMP '{text}' has a malformed fraction", where, "TIMESTAMP",
                          "write timestamps like 2023-11-16 18:17:03.9799600")
-    return seconds + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
+    return seconds, (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
 
 
 def records(path: Path) -> Iterator[TraceRequest | TraceError]:
     first = None
     for where, row in rows(path, COLUMNS):
         try:
-            stamp = parse_timestamp(row["TIMESTAMP"], where)
-            first = stamp if first is None else first
-            yield TraceRequest(arrival_s=stamp - first,
+            seconds, fraction = parse_timestamp(row["TIMESTAMP"], where)
+            first = (seconds, fraction) if first is None else first
+            yield TraceRequest(arrival_s=(seconds - first[0]) + (fraction - first[1]),
                                input_len=integer(row["ContextTokens"], where, "ContextTokens", minimum=1),
                                output_len=integer(row["GeneratedTokens"], where, "GeneratedTokens", minimum=1),
                                where=where)
