@@ -100,8 +100,8 @@ def _sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
     return combos
 
 
-def validate(config_name: str, overrides: list[str]) -> None:
-    register_schemas()
+def validate(config_name: str, overrides: list[str], register=register_schemas) -> None:
+    register()
     for combo, origin in _sweep_variants(overrides):
         GlobalHydra.instance().clear()
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.latency.calibrated import calibrated_gemm
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
 
@@ -60,9 +61,18 @@ class LatencyModel:
         # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
         self.kv_bytes_per_token_rank = model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp) / tp
         self.attn_params_rank = model.attention_params_per_layer / tp
-        self.dense_mlp_params_rank = model.dense_mlp_params_per_layer / tp
         self.expert_params_rank = model.expert_params / tp
-        self.lm_head_params_rank = model.hidden_size * model.vocab_size / tp
+        # GEMM shapes (n, k) per layer on one rank; times from the profile's calibrated GEMM.
+        self.gemm = calibrated_gemm(profile)
+        self.gemm_dtype = model.weight_dtype
+        h = model.hidden_size
+        self.attention_gemms = (
+            [(self.attn_params_rank / h, h)] if model.is_mla else
+            [((model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tp, h),
+             (h, model.num_heads * model.head_dim / tp)])
+        up = (2 if model.gated_mlp else 1) * model.intermediate_size / tp
+        self.dense_mlp_gemms = [(up, h), (h, model.intermediate_size / tp)]
+        self.lm_head_gemm = (model.vocab_size / tp, h)
         self.num_dense_layers = model.num_layers - model.num_moe_layers
         self.prefill_dims = sum(model.attention_dims(decode=False))
         self.decode_dims = sum(model.attention_dims(decode=True))
@@ -72,9 +82,9 @@ class LatencyModel:
         return eff.t0_s + max(flops / (peak * eff.compute_efficiency),
                               nbytes / (self.bw * eff.memory_efficiency))
 
-    def _gemm(self, tokens: int, params: float) -> float:
-        nbytes = params * self.weight_bytes_per_param + 2 * tokens * self.model.hidden_size * ACTIVATION_BYTES
-        return self._op("gemm", 2.0 * tokens * params, nbytes, self.gemm_peak)
+    def _gemms(self, tokens: int, shapes) -> float:
+        time = self.gemm.time
+        return sum(time(tokens, n, k, self.gemm_dtype) for n, k in shapes)
 
     def _mlp_moe(self, tokens: int) -> float:
         m = self.model
@@ -92,10 +102,10 @@ class LatencyModel:
             swap = {"swap": self.swap_time(shape.swap_tokens)} if shape.swap_tokens else {}
             return {"overhead": self.profile.step_overhead_s, **swap}
         times = {
-            "qkv_o_proj": m.num_layers * self._gemm(tokens, self.attn_params_rank),
-            "mlp": self.num_dense_layers * self._gemm(tokens, self.dense_mlp_params_rank)
+            "qkv_o_proj": m.num_layers * self._gemms(tokens, self.attention_gemms),
+            "mlp": (self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
             + (m.num_moe_layers * self._mlp_moe(tokens) if m.num_moe_layers else 0.0),
-            "lm_head": self._gemm(shape.num_sampled, self.lm_head_params_rank) if shape.num_sampled else 0.0,
+            "lm_head": self._gemms(shape.num_sampled, [self.lm_head_gemm]) if shape.num_sampled else 0.0,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": 0.0,
             "overhead": self.profile.step_overhead_s,
         }

@@ -22,6 +22,7 @@ class OperatorEfficiency:
     memory_efficiency: float
     t0_s: float
     source: str
+    correction: dict | None = None  # fitted correction table (sim.latency.calibrated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ def profile_from_dict(data: dict) -> GpuProfile:
             memory_efficiency=float(raw.get("memory_efficiency", raw.get("link_efficiency", 1.0))),
             t0_s=float(raw["t0_s"]),
             source=str(raw.get("source", data["source"])),
+            correction=raw.get("correction"),
         )
     return GpuProfile(
         name=data["name"], gpu_name=data["gpu_name"], source=data["source"],

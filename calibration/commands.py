@@ -1,0 +1,130 @@
+"""The Hydra task functions behind `python -m calibration <verb>` (fit, import-vidur, predict and
+show import neither torch nor triton; run imports the benchmarks lazily)."""
+from __future__ import annotations
+
+import json
+from datetime import date
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from calibration.fit import fit_profile, predict, prepare
+from calibration.ops import OPS
+from calibration.raw import RawError, read_raw, write_raw
+from calibration.report import write_report
+from sim.errors import UnknownNameError
+from sim.latency.profile import available_profiles, load_profile
+
+PACKAGED = "calibration/profiles"
+
+
+def profile_json(name: str) -> dict:
+    """A profile's JSON: results/calibration/<name>/profile.json here first, then packaged."""
+    load_profile(name)  # validates and raises the one-line error for unknown names
+    local = Path("results") / "calibration" / name / "profile.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    return json.loads((resources.files("calibration") / "profiles" / f"{name}.json").read_text())
+
+
+def _datasheet(name: str) -> dict:
+    packaged = resources.files("calibration") / "profiles" / f"{name}.json"
+    if not packaged.is_file():
+        raise UnknownNameError("base GPU profile", name, available_profiles(), "key base (or name)")
+    return json.loads(packaged.read_text())
+
+
+def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: str) -> Path:
+    base = _datasheet(cfg.base or cfg.name)
+    versions = {k: str(frame[k].dropna().iloc[0]) for k in ("driver", "torch", "triton")
+                if k in frame and frame[k].notna().any()}
+    profile, report = fit_profile(frame, base, name=cfg.name, source=source, origin=origin,
+                                  date=date.today().isoformat(), versions=versions)
+    folder = Path(cfg.out_dir) / cfg.name
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "profile.json.tmp"
+    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.replace(folder / "profile.json")
+    write_report(frame, profile, base, report, folder)
+    for op, numbers in report.items():
+        held = numbers.get("held_out_classes", {})
+        extra = numbers.get("extrapolation", {})
+        print(f"{op}: e_c={numbers['fit']['compute_efficiency']:.3f} e_m={numbers['fit']['memory_efficiency']:.3f} "
+              f"t0={numbers['fit']['t0_s'] * 1e6:.1f}us  held-out MAPE {held.get('mape', float('nan')):.1%}  "
+              f"extrapolation MAPE {extra.get('mape', float('nan')):.1%}")
+    print(f"wrote {folder / 'profile.json'} and {folder / 'fit_report.md'}")
+    return folder
+
+
+def fit_task(cfg: DictConfig) -> None:
+    """Refit a profile from a raw CSV (no GPU needed)."""
+    frame = read_raw(Path(cfg.raw))
+    source = str(frame.source.dropna().iloc[0]) if "source" in frame and frame.source.notna().any() else "measured"
+    _fit_and_write(frame, cfg, "imported" if source.startswith("vidur") else "measured", origin=str(cfg.raw))
+
+
+def import_vidur_task(cfg: DictConfig) -> None:
+    """Vidur's public operator profiles -> raw.csv -> fitted profile (source: imported)."""
+    from calibration.vidur import import_directory
+
+    rows = import_directory(Path(cfg.path))
+    folder = Path(cfg.out_dir) / cfg.name
+    write_raw(rows, folder / "raw.csv")
+    _fit_and_write(pd.DataFrame(rows), cfg, "imported",
+                   origin="Vidur (microsoft/vidur, MIT; Agrawal et al., MLSys 2024) data/profiling/compute")
+
+
+def predict_task(cfg: DictConfig) -> None:
+    """Predicted seconds for each row of a shapes CSV, in order, written to `out`."""
+    profile = profile_json(cfg.gpu)
+    shapes_path = Path(cfg.shapes)
+    if not shapes_path.is_file():
+        raise RawError(f"no such file '{shapes_path}', key shapes, give a CSV with column op and its shape columns")
+    shapes = pd.read_csv(shapes_path)
+    if "op" not in shapes:
+        raise RawError(f"missing column op, {shapes_path}:1, give a CSV with column op and its shape columns")
+    unknown = sorted(set(shapes.op) - set(OPS))
+    if unknown:
+        raise RawError(f"unknown op(s) {', '.join(unknown)}, {shapes_path} column op, use {', '.join(OPS)}")
+    out = np.empty(len(shapes))
+    for op, index in shapes.groupby("op").indices.items():
+        rows = shapes.iloc[index].assign(time_s=1.0)
+        try:
+            prepared = prepare(rows, op, profile)
+        except (KeyError, ValueError) as exc:
+            raise RawError(f"{op} rows need their shape columns ({exc}), {shapes_path}, "
+                           f"e.g. gemm: m,n,k,dtype") from None
+        out[index] = predict(prepared, profile, op, _operator(profile, op))
+    result = shapes.assign(time_s=out)
+    tmp = Path(str(cfg.out) + ".tmp")
+    result.to_csv(tmp, index=False)
+    tmp.replace(cfg.out)
+    print(f"wrote {len(result)} predictions to {cfg.out}")
+
+
+def _operator(profile: dict, op: str) -> dict:
+    key = {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
+    return profile["operators"].get(key) or profile.get("extra_operators", {}).get(op) or profile["operators"]["gemm"]
+
+
+def show_task(cfg: DictConfig) -> None:
+    """A profile's parameters, provenance and fit quality."""
+    profile = profile_json(cfg.gpu)
+    print(f"{profile['name']}: {profile['gpu_name']}  source={profile['source']}"
+          + (f"  date={profile['date']}" if profile.get("date") else ""))
+    print(f"memory {profile['memory_bytes'] / 2**30:.1f} GiB  HBM {profile['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s  "
+          f"bf16 {profile['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    for name, op in profile["operators"].items():
+        print(f"  {name:<18} source={op.get('source', profile['source']):<9} "
+              f"e_c={op.get('compute_efficiency', op.get('link_efficiency', 1)):.3f} "
+              f"e_m={op.get('memory_efficiency', op.get('link_efficiency', 1)):.3f} t0={op['t0_s'] * 1e6:.1f}us"
+              + ("  +correction table" if op.get("correction") else ""))
+    for op, numbers in profile.get("fit_report", {}).items():
+        for split in ("held_out_classes", "extrapolation"):
+            if split in numbers:
+                e, d, r = (numbers.get(f"{split}{suffix}", {}) for suffix in ("", "_datasheet", "_roofline"))
+                print(f"  fit {op} {split}: MAPE {e['mape']:.1%} P90 {e['p90_abs_error']:.1%} bias {e['bias']:+.1%}"
+                      + (f"  (datasheet defaults: {d['mape']:.1%}, bare roofline: {r['mape']:.1%})" if d and r else ""))

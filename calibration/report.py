@@ -1,0 +1,70 @@
+"""The fit report: a Markdown summary and a measured-against-predicted plot per profile."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from calibration.fit import predict, prepare
+from sim.report import _pyplot, _save
+
+SPLITS = (("held_out_classes", "held-out shape classes (5 folds of whole classes)"),
+          ("extrapolation", "extrapolation (fit on sizes <= 1024, test >= 2048)"))
+
+
+def _row(label: str, e: dict) -> str:
+    return f"| {label} | {e['num_rows']:,} | {e['mape']:.1%} | {e['p90_abs_error']:.1%} | {e['bias']:+.1%} |"
+
+
+def markdown(profile: dict, report: dict) -> str:
+    lines = [f"# Fit report: {profile['name']} ({profile['gpu_name']})", "",
+             f"Source: {profile['source']} ({profile.get('origin', '')}); date {profile.get('date', '')}; "
+             f"versions {profile.get('versions', {})}.", "",
+             "Model per operator: t = t0 + max(FLOPs / (peak e_c), bytes / (bandwidth e_m)), times a "
+             "correction table over log2(size) per shape class (monotone, never below the datasheet roofline).", ""]
+    for op, numbers in report.items():
+        fit = numbers["fit"]
+        lines += [f"## {op}", "",
+                  f"Fitted: e_c = {fit['compute_efficiency']:.3f}, e_m = {fit['memory_efficiency']:.3f}, "
+                  f"t0 = {fit['t0_s'] * 1e6:.1f} us.", "",
+                  "| split | rows | MAPE | P90 abs. error | signed bias |", "|---|---:|---:|---:|---:|"]
+        for key, label in SPLITS:
+            if key in numbers:
+                lines.append(_row(f"calibrated, {label}", numbers[key]))
+                lines.append(_row(f"datasheet profile alone, {label}", numbers[f"{key}_datasheet"]))
+                lines.append(_row(f"bare datasheet roofline (e = 1, t0 = 0), {label}", numbers[f"{key}_roofline"]))
+        for key in ("noise_rel_std_median", "noise_rel_iqr_median"):
+            if key in numbers:
+                lines += ["", f"Repeat-to-repeat noise of the measurements ({key}): {numbers[key]:.1%}."]
+        for key, label in SPLITS:
+            if key in numbers:
+                ours, sheet, roof = (numbers[k]["mape"] for k in (key, f"{key}_datasheet", f"{key}_roofline"))
+                lines.append(f"{label.split(' (')[0].capitalize()}: calibrated MAPE {ours:.1%} against "
+                             f"{sheet:.1%} for the datasheet profile's default efficiencies and {roof:.1%} "
+                             f"for the bare datasheet roofline.")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(frame: pd.DataFrame, profile: dict, base: dict, report: dict, folder: Path) -> None:
+    tmp = folder / "fit_report.md.tmp"
+    tmp.write_text(markdown(profile, report))
+    tmp.replace(folder / "fit_report.md")
+    plt = _pyplot()
+    ops = list(report)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = prepare(frame, op, base)
+        key = {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
+        params = profile["operators"].get(key) or profile["extra_operators"][op]
+        predicted = predict(rows, base, op, params)
+        ax.loglog(rows.t, predicted, ".", markersize=2, alpha=0.4)
+        low, high = float(np.min(rows.t)), float(np.max(rows.t))
+        ax.plot([low, high], [low, high], "k--", linewidth=0.8)
+        ax.set_xlabel("measured (s)")
+        ax.set_ylabel("predicted (s)")
+        ax.set_title(f"{op}: all rows, calibrated model")
+    fig.tight_layout()
+    _save(fig, folder / "fit.png")
+    plt.close(fig)

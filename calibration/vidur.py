@@ -1,0 +1,72 @@
+"""Vidur's public A100 operator profiles (microsoft/vidur, MIT; Agrawal et al., MLSys 2024) in
+our raw format. Their files hold GEMM and elementwise timings only: the four GEMMs per layer
+become `gemm` rows, shapes per ../shared/calibration_data/SOURCE.md:
+
+    attn_pre_proj   K = n_embd,              N = (n_head + 2 n_kv_head) hd / TP
+    attn_post_proj  K = n_head hd / TP,      N = n_embd
+    mlp_up_proj     K = n_embd,              N = (2 if gated else 1) n_expanded_embd / TP
+    mlp_down_proj   K = n_expanded_embd / TP, N = n_embd
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from calibration.raw import RawError
+
+GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+NEEDED = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "use_gated_mlp", "num_tokens",
+          "num_tensor_parallel_workers")
+GPU_NAME = "NVIDIA A100-SXM4-80GB"
+
+
+def _shapes(row) -> dict[str, tuple[int, int]]:
+    tp = int(row.num_tensor_parallel_workers)
+    hd = int(row.n_embd) // int(row.n_head)
+    gated = str(row.use_gated_mlp).strip().lower() in ("true", "1")
+    return {
+        "attn_pre_proj": ((int(row.n_head) + 2 * int(row.n_kv_head)) * hd // tp, int(row.n_embd)),
+        "attn_post_proj": (int(row.n_embd), int(row.n_head) * hd // tp),
+        "mlp_up_proj": ((2 if gated else 1) * int(row.n_expanded_embd) // tp, int(row.n_embd)),
+        "mlp_down_proj": (int(row.n_embd), int(row.n_expanded_embd) // tp),
+    }
+
+
+def import_file(path: Path) -> list[dict]:
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise RawError(f"unreadable Vidur CSV ({str(exc).splitlines()[0]}), {path}, "
+                       f"give Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv") from None
+    missing = [c for c in NEEDED + tuple(f"time_stats.{g}.median" for g in GEMMS) if c not in frame.columns]
+    if missing:
+        raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, "
+                       f"give Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv")
+    model = path.stem.split("__")[-1]
+    rows = []
+    for index, row in enumerate(frame.itertuples(index=False)):
+        shapes = _shapes(row)
+        for gemm in GEMMS:
+            n, k = shapes[gemm]
+            stat = {s: float(frame.at[index, f"time_stats.{gemm}.{s}"]) / 1e3  # ms -> s
+                    for s in ("min", "max", "median", "std")}
+            rows.append({"op": "gemm", "m": int(row.num_tokens), "n": n, "k": k,
+                         "tp": int(row.num_tensor_parallel_workers), "dtype": "fp16",
+                         "time_s": stat["median"], "time_s_min": stat["min"],
+                         "time_s_max": stat["max"], "time_s_std": stat["std"],
+                         "source": f"vidur:{model}:{gemm}", "gpu": GPU_NAME})
+    return rows
+
+
+def import_directory(folder: Path) -> list[dict]:
+    if not folder.is_dir():
+        raise RawError(f"no such directory '{folder}', key path, give the folder of Vidur CSVs "
+                       f"(e.g. ../shared/calibration_data/vidur_a100)")
+    files = sorted(folder.glob("*.csv"))
+    if not files:
+        raise RawError(f"no CSV files in '{folder}', key path, give the folder of Vidur CSVs")
+    rows = []
+    for path in files:
+        rows.extend(import_file(path))
+    return rows

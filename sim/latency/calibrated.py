@@ -1,0 +1,127 @@
+"""Calibrated operator times: a fitted roofline times an interpolated correction table.
+
+    t(shape) = t0 + max(FLOPs / (peak * e_c), bytes / (bandwidth * e_m))      (fitted roofline)
+    t'(shape) = t(shape) * c(x)    c = measured / fitted, interpolated over x = log2 of the op's
+                                   size axis (tokens, context or bytes) for the shape's class,
+                                   held at the table's edges; the op-wide table for classes
+                                   never measured
+
+made monotone in x (the corrected times at the grid points take a cumulative maximum and are
+interpolated between them) and never below the datasheet roofline (e_c = e_m = 1, t0 = 0).
+Pure Python over a profile's JSON: the simulator and `python -m calibration predict` share it.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def gemm_work(m: float, n: float, k: float, dtype: str) -> tuple[float, float]:
+    """(FLOPs, bytes) of an (m x k) @ (k x n) GEMM; fp8 inputs write a 16-bit output."""
+    size = DTYPE_BYTES[dtype]
+    return 2.0 * m * n * k, (m * k + k * n) * size + m * n * max(size, 2)
+
+
+def gemm_class(n: float, k: float, dtype: str) -> str:
+    return f"{int(n)}x{int(k)}:{dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    peak_flops: float
+    bandwidth: float
+    compute_efficiency: float
+    memory_efficiency: float
+    t0_s: float
+
+    def time(self, flops: float, nbytes: float) -> float:
+        return self.t0_s + max(flops / (self.peak_flops * self.compute_efficiency),
+                               nbytes / (self.bandwidth * self.memory_efficiency))
+
+    def datasheet_time(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+
+
+@dataclass(frozen=True, slots=True)
+class CorrectionTable:
+    grid: tuple[float, ...]                 # x = log2(size), increasing
+    factors: tuple[float, ...]              # op-wide factor per grid point
+    classes: dict                           # shape class -> factors per grid point
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "CorrectionTable | None":
+        if not data:
+            return None
+        return cls(tuple(data["grid"]), tuple(data["factors"]),
+                   {key: tuple(values) for key, values in data.get("classes", {}).items()})
+
+    def to_json(self) -> dict:
+        return {"x": "log2 size", "grid": list(self.grid), "factors": list(self.factors),
+                "classes": {key: list(values) for key, values in self.classes.items()}}
+
+
+Work = Callable[[float], tuple[float, float]]  # size -> (FLOPs, bytes) for one shape class
+
+
+class CalibratedOp:
+    """Time of one operator kind; shapes come as (class, size, work function of the size)."""
+
+    def __init__(self, roofline: Roofline, table: CorrectionTable | None):
+        self.roofline, self.table = roofline, table
+        self._monotone: dict[str, list[float]] = {}
+
+    def time(self, shape_class: str, size: float, work: Work) -> float:
+        roof = self.roofline
+        flops, nbytes = work(size)
+        fitted, floor = roof.time(flops, nbytes), roof.datasheet_time(flops, nbytes)
+        table = self.table
+        if table is None or size <= 0:
+            return max(fitted, floor)
+        factors = table.classes.get(shape_class, table.factors)
+        grid, x = table.grid, math.log2(size)
+        if x < grid[0]:
+            return max(fitted * factors[0], floor)
+        monotone = self._monotone_grid(shape_class, factors, work)
+        if x >= grid[-1]:
+            return max(fitted * factors[-1], monotone[-1], floor)
+        i = bisect_right(grid, x) - 1
+        w = (x - grid[i]) / (grid[i + 1] - grid[i])
+        return max(monotone[i] * (1 - w) + monotone[i + 1] * w, floor)
+
+    def _monotone_grid(self, shape_class: str, factors, work: Work) -> list[float]:
+        cached = self._monotone.get(shape_class)
+        if cached is None:
+            running, cached = 0.0, []
+            for x, factor in zip(self.table.grid, factors):
+                running = max(running, self.roofline.time(*work(2.0 ** x)) * factor)
+                cached.append(running)
+            self._monotone[shape_class] = cached
+        return cached
+
+
+class CalibratedGemm:
+    """GEMM time for (m, n, k, dtype): fp8 runs against the fp8 peak where the GPU has one."""
+
+    def __init__(self, ops_by_dtype: dict[str, CalibratedOp]):
+        self.ops_by_dtype = ops_by_dtype
+
+    def time(self, m: float, n: float, k: float, dtype: str) -> float:
+        op = self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"]
+        return op.time(gemm_class(n, k, dtype), m, lambda size: gemm_work(size, n, k, dtype))
+
+
+def calibrated_gemm(profile) -> CalibratedGemm:
+    """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""
+    eff = profile.op("gemm")
+    def roof(peak):
+        return Roofline(peak, profile.hbm_bandwidth_bytes_per_s, eff.compute_efficiency,
+                        eff.memory_efficiency, eff.t0_s)
+    table = CorrectionTable.from_json(eff.correction)
+    ops = {"default": CalibratedOp(roof(profile.bf16_flops_per_s), table)}
+    if profile.fp8_flops_per_s:
+        ops["fp8"] = CalibratedOp(roof(profile.fp8_flops_per_s), table)
+    return CalibratedGemm(ops)
