@@ -1,6 +1,9 @@
 """Scaling behaviour of the first latency model (a pure function of the batch shape)."""
 import dataclasses
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sim.latency import BatchShape, LatencyModel, load_profile
 from sim.models import load_model
 
@@ -77,3 +80,20 @@ def test_empty_step_costs_only_the_overhead():
     profile = load_profile("h100")
     model = LatencyModel(load_model("llama3_8b"), profile, 1, "bf16")
     assert model.step_time(BatchShape()) == profile.step_overhead_s
+
+
+@settings(max_examples=150, deadline=None)
+@given(gpu=st.sampled_from(["h100", "a100_80g", "h200"]), tp=st.sampled_from([1, 2, 4, 8]),
+       seqs=st.integers(1, 256), context=st.integers(1, 200_000), prefill=st.integers(0, 16384),
+       more=st.integers(1, 4096))
+def test_step_time_is_monotone_in_batch_context_and_tokens(gpu, tp, seqs, context, prefill, more):
+    model = LatencyModel(load_model("llama3_70b"), load_profile(gpu), tp, "bf16")
+
+    def shape(seqs, context, prefill):
+        return BatchShape(num_prefill_tokens=prefill, prefill_attention_pairs=prefill * (prefill + 1) / 2,
+                          prefill_kv_tokens=prefill, num_decode_seqs=seqs,
+                          decode_context_tokens=seqs * context, num_sampled=seqs + (prefill > 0))
+    base = model.step_time(shape(seqs, context, prefill))
+    assert model.step_time(shape(seqs + more, context, prefill)) >= base
+    assert model.step_time(shape(seqs, context + more, prefill)) >= base
+    assert model.step_time(shape(seqs, context, prefill + more)) >= base

@@ -90,7 +90,7 @@ class CalibratedOp:
             return max(fitted * factors[-1], monotone[-1], floor)
         i = bisect_right(grid, x) - 1
         w = (x - grid[i]) / (grid[i + 1] - grid[i])
-        return max(monotone[i] * (1 - w) + monotone[i + 1] * w, floor)
+        return max(monotone[i] + (monotone[i + 1] - monotone[i]) * w, floor)
 
     def _monotone_grid(self, shape_class: str, factors, work: Work) -> list[float]:
         cached = self._monotone.get(shape_class)

@@ -1,0 +1,132 @@
+"""The torch-free fit: recovers a known model, imports Vidur's files, predicts in order."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from calibration.fit import fit_profile, fit_roofline, predict, prepare
+from calibration.vidur import import_directory
+from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, gemm_work
+from sim.latency.profile import load_profile
+
+SAMPLE = Path(__file__).parent.parent / "data" / "vidur_a100_sample"
+
+
+def h100():
+    from importlib import resources
+    return json.loads((resources.files("calibration") / "profiles" / "h100.json").read_text())
+
+
+def synthetic(profile, ec, em, t0, noise, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 8192), (8192, 1024), (6144, 4096)]:
+        for m in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]:
+            flops, nbytes = gemm_work(m, n, k, "bf16")
+            t = t0 + max(flops / (profile["bf16_flops_per_s"] * ec), nbytes / (profile["hbm_bandwidth_bytes_per_s"] * em))
+            rows.append({"op": "gemm", "m": m, "n": n, "k": k, "dtype": "bf16",
+                         "time_s": t * (1 + noise * rng.standard_normal())})
+    return pd.DataFrame(rows)
+
+
+def test_fit_recovers_known_efficiencies_from_noisy_synthetic_data():
+    profile = h100()
+    frame = synthetic(profile, ec=0.62, em=0.81, t0=7e-6, noise=0.02)
+    rows = prepare(frame, "gemm", profile)
+    ec, em, t0 = fit_roofline(rows.tc.to_numpy(), rows.tm.to_numpy(), rows.t.to_numpy())
+    assert ec == pytest.approx(0.62, rel=0.05)
+    assert em == pytest.approx(0.81, rel=0.05)
+    assert t0 == pytest.approx(7e-6, abs=2e-6)
+
+
+def test_report_holds_out_whole_classes_and_beats_the_bare_roofline():
+    profile = h100()
+    fitted, report = fit_profile(synthetic(profile, 0.55, 0.7, 5e-6, 0.01), profile, name="x", source="measured",
+                                 origin="synthetic", date="2026-11-30", versions={})
+    gemm = report["gemm"]
+    assert gemm["held_out_classes"]["mape"] < 0.03
+    assert gemm["extrapolation"]["mape"] < 0.05
+    assert gemm["held_out_classes_roofline"]["mape"] > 0.2
+    assert fitted["operators"]["gemm"]["source"] == "measured"
+    assert fitted["operators"]["attention_decode"]["source"] == "datasheet"   # not measured: kept
+
+
+def test_import_vidur_sample_turns_gemm_timings_into_raw_rows():
+    rows = import_directory(SAMPLE)
+    frame = pd.DataFrame(rows)
+    assert set(frame.op) == {"gemm"} and set(frame.dtype) == {"fp16"}
+    # Llama-3-8B at TP 1: attn_pre_proj is (32 + 2 * 8) * 128 = 6144 wide over K = 4096.
+    qkv = frame[frame.source.str.endswith("Meta-Llama-3-8B:attn_pre_proj") & (frame.tp == 1)]
+    assert set(zip(qkv.n, qkv.k)) == {(6144, 4096)}
+    up = frame[frame.source.str.endswith("Llama-2-7b-hf:mlp_up_proj") & (frame.tp == 2)]
+    assert set(zip(up.n, up.k)) == {(2 * 11008 // 2, 4096)}
+    assert (frame.time_s > 0).all() and (frame.time_s_min <= frame.time_s).all()
+
+
+def test_predictions_are_monotone_in_tokens_and_never_below_the_datasheet_roofline():
+    profile = load_profile("a100_80g")
+    from sim.latency.calibrated import calibrated_gemm
+    gemm = calibrated_gemm(profile)
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 8192), (12345, 777)]:
+        times = [gemm.time(m, n, k, "fp16") for m in np.geomspace(1, 65536, 200)]
+        assert all(b >= a for a, b in zip(times, times[1:])), (n, k)
+        for m, t in zip(np.geomspace(1, 65536, 200), times):
+            flops, nbytes = gemm_work(m, n, k, "fp16")
+            assert t >= max(flops / profile.bf16_flops_per_s, nbytes / profile.hbm_bandwidth_bytes_per_s)
+
+
+@settings(max_examples=100, deadline=None)
+@given(factors=st.lists(st.floats(0.5, 3.0), min_size=3, max_size=8), sizes=st.lists(st.floats(1, 1e5), min_size=2, max_size=20))
+def test_any_correction_table_gives_monotone_times(factors, sizes):
+    grid = tuple(np.linspace(0, 14, len(factors)).tolist())
+    op = CalibratedOp(Roofline(1e14, 1e12, 0.7, 0.8, 5e-6), CorrectionTable(grid, tuple(factors), {}))
+    work = lambda m: gemm_work(m, 4096, 4096, "bf16")  # noqa: E731
+    sizes = sorted(sizes)
+    times = [op.time("c", s, work) for s in sizes]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:]))
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "calibration", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_import_vidur_then_predict_and_show_from_the_command_line(tmp_path):
+    out = run("import-vidur", f"path={SAMPLE}", "name=a100_80g", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "results" / "calibration" / "a100_80g"
+    for name in ("raw.csv", "profile.json", "fit_report.md", "fit.png"):
+        assert (folder / name).is_file()
+    assert json.loads((folder / "profile.json").read_text())["operators"]["gemm"]["source"] == "imported"
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("op,m,n,k,dtype\ngemm,4096,6144,4096,fp16\ngemm,1,6144,4096,fp16\ngemm,512,4096,4096,bf16\n")
+    out = run("predict", "gpu=a100_80g", f"shapes={shapes}", "out=pred.csv", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    predicted = pd.read_csv(tmp_path / "pred.csv")
+    assert predicted.m.tolist() == [4096, 1, 512] and (predicted.time_s > 0).all()
+    assert predicted.time_s[0] > predicted.time_s[2] > predicted.time_s[1]
+    refit = run("fit", f"raw={folder / 'raw.csv'}", "name=a100_80g", "out_dir=again", cwd=tmp_path)
+    assert refit.returncode == 0, refit.stderr
+    shown = run("show", "gpu=a100_80g", cwd=tmp_path)
+    assert "source=imported" in shown.stdout and "held_out_classes" in shown.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["show", "gpu=nope"], "unknown gpu profile 'nope'"),
+    (["fit", "raw=missing.csv", "name=h100"], "no such file 'missing.csv'"),
+    (["import-vidur", "path=missing", "name=a100_80g"], "no such directory 'missing'"),
+    (["predict", "gpu=h100", "shapes=missing.csv", "out=x.csv"], "no such file 'missing.csv'"),
+    (["bench"], "unknown command 'bench'"),
+    (["fit", "raw"], "malformed override"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
+    out = run(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in out.stderr
