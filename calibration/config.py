@@ -17,6 +17,7 @@ class CalibrationRunConfig:
     out_dir: str = "results/calibration"
     warmup_ms: int = 25
     rep_ms: int = 100
+    device: str = "cuda"           # cpu: a dry run under TRITON_INTERPRET=1 with wall-clock timing
 
 
 @dataclass

@@ -44,13 +44,14 @@ class OpModel:
 
 OPS = {
     "gemm": OpModel("m", ("n", "k", "dtype"), lambda r, m: gemm_work(m, float(r["n"]), float(r["k"]), r["dtype"])),
-    "paged_decode": OpModel("context", ("batch", "heads", "kv_heads", "head_dim", "block_size", "dtype"), _decode_work),
+    "paged_decode": OpModel("context", ("batch", "heads", "kv_heads", "head_dim", "block_size", "num_splits", "dtype"),
+                            _decode_work),
     "contiguous_decode": OpModel("context", ("batch", "heads", "kv_heads", "head_dim", "dtype"), _decode_work),
     "mla_decode": OpModel("context", ("batch", "heads", "block_size", "dtype"), _mla_work),
     "prefill": OpModel("num_tokens", ("batch", "heads", "kv_heads", "head_dim", "context", "dtype"), _prefill_work),
     "kv_copy": OpModel("bytes", ("dtype",), lambda r, b: (0.0, float(b))),
-    "stream": OpModel("bytes", ("dtype",), lambda r, b: (0.0, float(b))),
-    "host_copy": OpModel("bytes", ("dtype",), lambda r, b: (0.0, float(b)), bandwidth="host"),
+    "stream": OpModel("bytes", ("kind",), lambda r, b: (0.0, float(b))),
+    "host_copy": OpModel("bytes", ("pinned",), lambda r, b: (0.0, float(b)), bandwidth="host"),
 }
 
 

@@ -14,7 +14,8 @@ import pandas as pd
 from sim.errors import KvsimError
 
 COLUMNS = ("op", "m", "n", "k", "tp", "batch", "heads", "kv_heads", "head_dim", "context",
-           "num_tokens", "bytes", "block_size", "dtype", "time_s", "time_s_p20", "time_s_p80", "time_s_min", "time_s_max",
+           "num_tokens", "bytes", "block_size", "num_splits", "pinned", "kind", "dtype", "time_s",
+           "time_s_p20", "time_s_p80", "time_s_min", "time_s_max",
            "time_s_std", "repeats", "gpu", "driver", "torch", "triton", "timestamp", "source")
 REQUIRED = ("op", "dtype", "time_s")
 SHAPE_COLUMNS = {"gemm": ("m", "n", "k")}

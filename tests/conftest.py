@@ -3,7 +3,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from sim.config import register_schemas
+from calibration.config import register_schemas  # the simulator's schemas and calibration's
 
 
 def compose_config(config_name: str, overrides: list[str]):

@@ -1,0 +1,227 @@
+"""The benchmark harness: shape grids from Hydra config (scenarios/grid/), timed with
+`triton.testing.do_bench` (quantiles 0.2 / 0.5 / 0.8), one long-format row per measurement
+(calibration/raw.py), then the fit. Also host-device copy bandwidth (pinned and pageable), kernel
+launch overhead, and all-reduce timings when several GPUs are visible.
+
+    python -m calibration run [grid=quick|full] [name=<gpu>]
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from sim.errors import KvsimError
+
+QUANTILES = (0.2, 0.5, 0.8)
+KNOWN_GPUS = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100-SXM4-40GB", "a100_40g"),
+              ("A100-SXM4-80GB", "a100_80g"), ("A100 80GB", "a100_80g"), ("A100", "a100_40g"),
+              ("L40S", "l40s"), ("MI300X", "mi300x"))
+
+
+def profile_name(gpu_name: str) -> str:
+    for marker, name in KNOWN_GPUS:
+        if marker in gpu_name:
+            return name
+    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
+
+
+def expand(grid: dict) -> list[tuple[str, dict]]:
+    """(op, shape) for every point of every op's cartesian product, in config order."""
+    points = []
+    for op, axes in grid.items():
+        keys = list(axes)
+        for values in itertools.product(*(axes[k] for k in keys)):
+            shape = dict(zip(keys, values))
+            if "nk" in shape:
+                shape["n"], shape["k"] = shape.pop("nk")
+            points.append((op, shape))
+    return points
+
+
+def _torch_dtype(torch, name: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+            "fp8": torch.float8_e4m3fn}[name]
+
+
+def make_case(op: str, shape: dict, device: str) -> tuple[Callable[[], object], dict]:
+    """A closure that runs the op once on prepared inputs, and the row's shape columns."""
+    import torch
+
+    from calibration.kernels import contiguous_decode, gemm, kv_copy, mla_decode, paged_decode, prefill, stream
+
+    dtype = _torch_dtype(torch, shape.get("dtype", "bf16"))
+    row = dict(shape)
+
+    def rand(*size, dt=dtype):
+        return torch.randn(*size, device=device).to(dt)
+
+    if op == "gemm":
+        a, b = rand(shape["m"], shape["k"]), rand(shape["k"], shape["n"])
+        return (lambda: gemm.gemm(a, b)), row
+    if op in ("paged_decode", "mla_decode"):
+        batch, context, block = shape["batch"], shape["context"], shape["block_size"]
+        per_seq = -(-context // block)
+        tables = torch.arange(batch * per_seq, device=device, dtype=torch.int32).reshape(batch, per_seq)
+        lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        if op == "mla_decode":
+            cache = rand(batch * per_seq, block, 576)
+            q_lat, q_rope = rand(batch, shape["heads"], 512), rand(batch, shape["heads"], 64)
+            return (lambda: mla_decode.mla_decode(q_lat, q_rope, cache, tables, lengths)), row
+        k = rand(batch * per_seq, block, shape["kv_heads"], shape["head_dim"])
+        v = torch.empty_like(k).copy_(k)
+        q = rand(batch, shape["heads"], shape["head_dim"])
+        return (lambda: paged_decode.paged_decode(q, k, v, tables, lengths, shape.get("num_splits", 1))), row
+    if op == "contiguous_decode":
+        k = rand(shape["batch"], shape["context"], shape["kv_heads"], shape["head_dim"])
+        v = torch.empty_like(k).copy_(k)
+        q = rand(shape["batch"], shape["heads"], shape["head_dim"])
+        lengths = torch.full((shape["batch"],), shape["context"], dtype=torch.int32, device=device)
+        return (lambda: contiguous_decode.contiguous_decode(q, k, v, lengths)), row
+    if op == "prefill":
+        total = shape["context"] + shape["num_tokens"]
+        q = rand(shape["batch"], shape["num_tokens"], shape["heads"], shape["head_dim"])
+        k = rand(shape["batch"], total, shape["kv_heads"], shape["head_dim"])
+        v = torch.empty_like(k).copy_(k)
+        return (lambda: prefill.prefill(q, k, v, block_q=64, block_k=64)), row
+    if op == "kv_copy":
+        cache = rand(2 * shape["num_blocks"], shape["block_size"], shape["kv_heads"], shape["head_dim"])
+        src = torch.arange(shape["num_blocks"], device=device, dtype=torch.int32)
+        dst = src + shape["num_blocks"]
+        row["bytes"] = 2 * cache[: shape["num_blocks"]].numel() * cache.element_size()
+        return (lambda: kv_copy.copy_blocks(cache, src, dst)), row
+    if op == "stream":
+        numel = int(shape["bytes"]) // (2 * torch.tensor([], dtype=dtype).element_size())
+        x, y = rand(numel), rand(numel)
+        row["bytes"] = stream.bytes_moved(shape["kind"], numel, x.element_size())
+        return ((lambda: stream.copy(x, y)) if shape["kind"] == "copy" else (lambda: stream.triad(x, y, 2.0))), row
+    if op == "host_copy":
+        numel = int(shape["bytes"]) // 2
+        host = torch.empty(numel, dtype=dtype, pin_memory=bool(shape["pinned"]))
+        dev = torch.empty(numel, dtype=dtype, device=device)
+        row["bytes"] = numel * 2
+        return (lambda: dev.copy_(host, non_blocking=bool(shape["pinned"]))), row
+    raise KvsimError(f"unknown op '{op}' in the grid, key grid, use gemm, paged_decode, contiguous_decode, "
+                     f"mla_decode, prefill, kv_copy, stream or host_copy")
+
+
+def do_bench_timer(fn, warmup_ms: int, rep_ms: int) -> tuple[float, float, float]:
+    from triton.testing import do_bench
+    return tuple(t / 1e3 for t in do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def wall_clock_timer(fn, warmup_ms: int, rep_ms: int, repeats: int = 5) -> tuple[float, float, float]:
+    """For dry runs on the CPU (do_bench needs a GPU): quantiles of a few timed calls."""
+    import numpy as np
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return tuple(float(q) for q in np.quantile(times, QUANTILES))
+
+
+def launch_overhead_row(device: str, timer, warmup_ms: int, rep_ms: int) -> dict:
+    import torch
+    x = torch.empty(1, device=device)
+    p20, p50, p80 = timer(lambda: x.add_(0), warmup_ms, rep_ms)
+    return {"op": "launch", "dtype": "fp32", "time_s": p50, "time_s_p20": p20, "time_s_p80": p80}
+
+
+def benchmark(points, *, device: str, context: dict, timer=do_bench_timer, warmup_ms: int = 25,
+              rep_ms: int = 100, progress=sys.stderr) -> list[dict]:
+    rows, started = [], time.perf_counter()
+    for index, (op, shape) in enumerate(points, start=1):
+        fn, row = make_case(op, shape, device)
+        p20, p50, p80 = timer(fn, warmup_ms, rep_ms)
+        rows.append({**row, "op": op, "time_s": p50, "time_s_p20": p20, "time_s_p80": p80, **context})
+        elapsed = time.perf_counter() - started
+        eta = elapsed / index * (len(points) - index)
+        bar = "#" * (30 * index // len(points))
+        print(f"\r[{bar:<30}] {index}/{len(points)} {op:<17} eta {eta:5.0f}s", end="", file=progress, flush=True)
+    print(file=progress)
+    rows.append({**launch_overhead_row(device, timer, warmup_ms, rep_ms), **context})
+    return rows
+
+
+def allreduce_rows(sizes: list[int], context: dict) -> list[dict]:
+    """NCCL all-reduce over every visible GPU, one process per GPU (several GPUs only)."""
+    import torch
+    import torch.multiprocessing as mp
+    world = torch.cuda.device_count()
+    if world < 2:
+        return []
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_allreduce_worker, args=(world, sizes, queue), nprocs=world, join=True)
+    return [{**queue.get(), **context} for _ in sizes]
+
+
+def _allreduce_worker(rank: int, world: int, sizes: list[int], queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from triton.testing import do_bench
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    for size in sizes:
+        x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
+        p20, p50, p80 = (t / 1e3 for t in do_bench(lambda: dist.all_reduce(x), quantiles=list(QUANTILES)))
+        if rank == 0:
+            queue.put({"op": "allreduce", "bytes": size, "tp": world, "dtype": "bf16",
+                       "time_s": p50, "time_s_p20": p20, "time_s_p80": p80})
+    dist.destroy_process_group()
+
+
+def gpu_context(device: str = "cuda") -> dict:
+    import torch
+    import triton
+    if device == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise KvsimError("device=cpu needs TRITON_INTERPRET=1 set before Python starts, command line, "
+                             "run TRITON_INTERPRET=1 python -m calibration run device=cpu grid=smoke")
+        return {"gpu": "CPU (Triton interpreter, dry run)", "torch": torch.__version__, "triton": triton.__version__,
+                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "source": "dry-run"}
+    if device != "cuda":
+        raise KvsimError(f"unknown device '{device}', key device, use cuda or cpu")
+    if not torch.cuda.is_available():
+        raise KvsimError("no CUDA GPU found, python -m calibration run, run it on a machine with a GPU "
+                         "(or refit measurements with python -m calibration fit raw=FILE name=<gpu>)")
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "driver": torch.version.cuda or "", "torch": torch.__version__,
+            "triton": triton.__version__, "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "source": "measured"}
+
+
+def run_task(cfg: DictConfig) -> None:
+    """Detect the GPU, benchmark the grid, fit, write raw.csv, profile.json and the report."""
+    import pandas as pd
+
+    from calibration.commands import _fit_and_write
+    from calibration.raw import write_raw
+
+    context = gpu_context(cfg.device)
+    name = cfg.name or ("dry_run" if cfg.device == "cpu" else profile_name(context["gpu"]))
+    points = expand(OmegaConf.to_container(cfg.grid, resolve=True))
+    print(f"calibrating {context['gpu']} as '{name}': {len(points)} measurements", file=sys.stderr)
+    timer = wall_clock_timer if cfg.device == "cpu" else do_bench_timer
+    rows = benchmark(points, device=cfg.device, context=context, timer=timer, warmup_ms=cfg.warmup_ms,
+                     rep_ms=cfg.rep_ms)
+    if cfg.device == "cuda":
+        rows += allreduce_rows([1 << 20, 1 << 24, 1 << 28], context)
+    folder = Path(cfg.out_dir) / name
+    write_raw(rows, folder / "raw.csv")
+    fit_cfg = OmegaConf.create({"name": name, "base": _base_for(name), "out_dir": cfg.out_dir})
+    _fit_and_write(pd.DataFrame(rows), fit_cfg, context["source"],
+                   origin=f"python -m calibration run on {context['gpu']}")
+
+
+def _base_for(name: str) -> str:
+    from sim.latency.profile import available_profiles
+    return name if name in available_profiles() else "h100"
