@@ -194,7 +194,7 @@ def gpu_context(device: str = "cuda") -> dict:
         raise KvsimError("no CUDA GPU found, python -m calibration run, run it on a machine with a GPU "
                          "(or refit measurements with python -m calibration fit raw=FILE name=<gpu>)")
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "driver": torch.version.cuda or "", "torch": torch.__version__,
+    return {"gpu": props.name, "driver": _driver_version(), "torch": torch.__version__,
             "triton": triton.__version__, "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "source": "measured"}
 
@@ -220,6 +220,17 @@ def run_task(cfg: DictConfig) -> None:
     fit_cfg = OmegaConf.create({"name": name, "base": _base_for(name), "out_dir": cfg.out_dir})
     _fit_and_write(pd.DataFrame(rows), fit_cfg, context["source"],
                    origin=f"python -m calibration run on {context['gpu']}")
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - NVML is optional; the CUDA runtime version is the fallback
+        import torch
+        return f"cuda {torch.version.cuda}"
 
 
 def _base_for(name: str) -> str:

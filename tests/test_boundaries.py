@@ -15,3 +15,12 @@ def test_allocators_and_scheduler_do_not_import_simpy():
             "print('simpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_calibration_fit_import_predict_and_show_import_neither_torch_nor_triton():
+    code = ("import sys, calibration.__main__, calibration.commands, calibration.fit, calibration.vidur, "
+            "calibration.report; from calibration.__main__ import _task; "
+            "[_task(v) for v in ('fit', 'import-vidur', 'predict', 'show')]; "
+            "print([m for m in ('torch', 'triton') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
