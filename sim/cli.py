@@ -7,7 +7,9 @@ that an unknown group option, unknown key, malformed override or wrong type beco
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
+import hydra
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -137,3 +139,21 @@ def guarded(task):
     wrapper.__name__ = task.__name__
     wrapper.__doc__ = task.__doc__
     return wrapper
+
+
+def dispatch(argv: list[str], commands: dict[str, tuple[str, Callable]], usage: str,
+             register=register_schemas) -> None:
+    """Run `<command> [key=value ...]`: commands maps a word to (primary config, task loader)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        raise SystemExit(0 if argv else 2)
+    command = argv[0]
+    if command not in commands:
+        fail(f"unknown command '{command}', command line, use one of: {', '.join(commands)}")
+    config_name, load_task = commands[command]
+    rest = argv[1:]
+    validate(config_name, split_flags(rest), register=register)
+    sys.argv = [f"{sys.argv[0]} {command}", *rest]  # Hydra would read the word as an override
+    app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=config_name,
+                     version_base="1.3")(guarded(load_task()))
+    app()

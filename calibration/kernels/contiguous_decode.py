@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from calibration.kernels.softmax import online_softmax_step
+
 
 @triton.jit
 def _kernel(q, k_cache, v_cache, context_lens, out, scale, max_len, HEADS: tl.constexpr,
@@ -31,12 +33,7 @@ def _kernel(q, k_cache, v_cache, context_lens, out, scale, max_len, HEADS: tl.co
         keys = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         values = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         scores = tl.where(valid, tl.sum(keys * query[None, :], axis=1), float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        weights = tl.exp(scores - new_max)
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(weights, axis=0)
-        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, values, running_max, running_sum, acc)
     tl.store(out + (b * HEADS + h) * HEAD_DIM + d, (acc / running_sum).to(out.dtype.element_ty))
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from calibration.kernels.softmax import online_softmax_step
+
 
 @triton.jit
 def _kernel(q_latent, q_rope, cache, block_tables, context_lens, out, scale, max_blocks,
@@ -36,12 +38,7 @@ def _kernel(q_latent, q_rope, cache, block_tables, context_lens, out, scale, max
         rope = tl.load(cache + rows + LATENT + r[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         scores = (tl.sum(latent * ql[None, :], axis=1) + tl.sum(rope * qr[None, :], axis=1)) * scale
         scores = tl.where(valid, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        weights = tl.exp(scores - new_max)
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(weights, axis=0)
-        acc = acc * correction + tl.sum(weights[:, None] * latent, axis=0)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, latent, running_max, running_sum, acc)
     tl.store(out + (b * HEADS + h) * LATENT + c, (acc / running_sum).to(out.dtype.element_ty))
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from calibration.kernels.softmax import online_softmax_step
+
 
 @triton.jit
 def _partial_kernel(q, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc, scale,
@@ -36,12 +38,7 @@ def _partial_kernel(q, k_cache, v_cache, block_tables, context_lens, part_max, p
         keys = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         values = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         scores = tl.where(valid, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        weights = tl.exp(scores - new_max)
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(weights, axis=0)
-        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, values, running_max, running_sum, acc)
     slot = (b * HEADS + h) * NUM_SPLITS + split
     tl.store(part_max + slot, running_max)
     tl.store(part_sum + slot, running_sum)
