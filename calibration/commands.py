@@ -115,7 +115,8 @@ def show_task(cfg: DictConfig) -> None:
     profile = profile_json(cfg.gpu)
     print(f"{profile['name']}: {profile['gpu_name']}  source={profile['source']}"
           + (f"  date={profile['date']}" if profile.get("date") else ""))
-    print(f"memory {profile['memory_bytes'] / 2**30:.1f} GiB  HBM {profile['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s  "
+    print(f"memory {profile['memory_bytes'] / 2**30:.1f} GiB  "
+          f"HBM {profile['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s  "
           f"bf16 {profile['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
     for name, op in profile["operators"].items():
         print(f"  {name:<18} source={op.get('source', profile['source']):<9} "

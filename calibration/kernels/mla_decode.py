@@ -44,12 +44,14 @@ def _kernel(q_latent, q_rope, cache, block_tables, context_lens, out, scale, max
 
 def mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale: float | None = None, _bug: int = 0):
     if q_latent.dim() != 3 or q_rope.dim() != 3 or cache.dim() != 3:
-        raise ValueError("q_latent [batch, heads, latent], q_rope [batch, heads, rope], cache [blocks, block_size, latent + rope]")
+        raise ValueError("q_latent [batch, heads, latent], q_rope [batch, heads, rope], "
+                         "cache [blocks, block_size, latent + rope]")
     batch, heads, latent = q_latent.shape
     rope = q_rope.shape[2]
     if cache.shape[2] != latent + rope or q_rope.shape[:2] != (batch, heads):
         raise ValueError(f"cache rows must be latent + rope = {latent + rope} wide")
-    if not (q_latent.dtype == q_rope.dtype == cache.dtype) or cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    same_dtype = q_latent.dtype == q_rope.dtype == cache.dtype
+    if not same_dtype or cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError("queries and cache must share fp16, bf16 or fp32")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.shape[0] != batch:
         raise TypeError("block_tables [batch, max_blocks] and context_lens [batch] must be int32")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calibration.fit import fit_profile, fit_roofline, predict, prepare
+from calibration.fit import fit_profile, fit_roofline, prepare
 from calibration.vidur import import_directory
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, gemm_work
 from sim.latency.profile import load_profile
