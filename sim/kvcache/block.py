@@ -53,6 +53,10 @@ class BlockAllocator:
         self.final_len: dict[int, int] = {}
         self.num_cached_free = 0
         self.num_cow_copies = 0
+        # Slack of each sequence's partial last block, summed (exact while nothing is forked).
+        self.total_reserved = 0
+        self.total_internal = 0
+        self.forked: set[int] = set()
         # Statistics for the eviction order (logical clock, not simulated time).
         self.clock = 0
         self.hits = [0] * num_blocks
@@ -96,6 +100,9 @@ class BlockAllocator:
         copy_on_write = table is not None and start % size != 0 and self.ref_count[table[-1]] > 1
         if table is not None and end <= len(table) * size and not copy_on_write:
             # Fast path (most decode steps): the tokens land in the last block's slack.
+            consumed_reserved = max(0, min(end, self.final_len[seq_id]) - start)
+            self.total_reserved -= consumed_reserved
+            self.total_internal -= num_new_tokens - consumed_reserved
             self.num_allocated_tokens[seq_id] = end
             if self.enable_caching and end // size > self.num_keyed_blocks[seq_id]:
                 self._key_full_blocks(seq, table, end)
@@ -112,6 +119,8 @@ class BlockAllocator:
             for block in hit.blocks:
                 self._touch(block)
                 table.append(block)
+        else:
+            self._count_slack(seq_id, table, -1)
         new_blocks = tuple(self._pop_free() for _ in range(num_needed))
         if copy_on_write:
             self.ref_count[table[-1]] -= 1
@@ -121,6 +130,7 @@ class BlockAllocator:
         else:
             table.extend(new_blocks)
         self.num_allocated_tokens[seq_id] = end
+        self._count_slack(seq_id, table, +1)
         if self.enable_caching:
             self._key_full_blocks(seq, table, end)
         return new_blocks
@@ -134,11 +144,15 @@ class BlockAllocator:
         self.num_allocated_tokens[child.seq_id] = self.num_allocated_tokens[parent.seq_id]
         self.num_keyed_blocks[child.seq_id] = self.num_keyed_blocks[parent.seq_id]
         self.final_len[child.seq_id] = child.final_len
+        self._count_slack(child.seq_id, table, +1)
+        self.forked.add(child.seq_id)
         return True
 
     def free(self, seq) -> None:
         seq_id = seq.seq_id
         table = self.tables.pop(seq_id)
+        self._count_slack(seq_id, table, -1)
+        self.forked.discard(seq_id)
         del self.num_allocated_tokens[seq_id], self.final_len[seq_id], self.num_keyed_blocks[seq_id]
         self.clock += 1
         for block in reversed(table):
@@ -148,6 +162,28 @@ class BlockAllocator:
                 self._push_free(block)
 
     def usage(self, first_waiting=None) -> KVUsage:
+        size = self.block_size
+        if self.forked:
+            reserved, internal = self._shared_tail_slack()
+        else:  # no forked sequence alive: every partial last block has one owner
+            reserved, internal = self.total_reserved, self.total_internal
+        num_free = len(self.free_queue)
+        cached_idle = self.num_cached_free * size
+        return KVUsage(
+            capacity=self.capacity,
+            token_states=(self.num_blocks - num_free) * size - reserved - internal,
+            reserved=reserved, internal_frag=internal, external_frag=0,
+            cached_idle=cached_idle, free=num_free * size - cached_idle)
+
+    def _count_slack(self, seq_id: int, table: list[int], sign: int) -> None:
+        """Add (+1) or remove (-1) a sequence's last-block slack from the running totals."""
+        reserved, internal = slack_split(len(table) * self.block_size, self.num_allocated_tokens[seq_id],
+                                         self.final_len[seq_id])
+        self.total_reserved += sign * reserved
+        self.total_internal += sign * internal
+
+    def _shared_tail_slack(self) -> tuple[int, int]:
+        """Slack of the distinct partial last blocks: forked sequences may share one."""
         size = self.block_size
         tail: dict[int, tuple[int, int, int]] = {}  # last block -> (slots, computed, L)
         for seq_id, table in self.tables.items():
@@ -161,13 +197,7 @@ class BlockAllocator:
             r, i = slack_split(slots, tokens, final_len)
             reserved += r
             internal += i
-        num_free = len(self.free_queue)
-        cached_idle = self.num_cached_free * size
-        return KVUsage(
-            capacity=self.capacity,
-            token_states=(self.num_blocks - num_free) * size - reserved - internal,
-            reserved=reserved, internal_frag=internal, external_frag=0,
-            cached_idle=cached_idle, free=num_free * size - cached_idle)
+        return reserved, internal
 
     def blocks_of(self, seq) -> list[int]:
         return list(self.tables.get(seq.seq_id, ()))
