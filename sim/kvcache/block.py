@@ -20,7 +20,7 @@ shared partial last block first copies it (copy-on-write).
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import NamedTuple
 
 from sim.errors import ConfigError
@@ -43,7 +43,10 @@ class BlockAllocator:
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.eviction = eviction
         self._sort_key = EVICTION_POLICIES[eviction]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Without caching no block is ever taken out of the middle of the queue: a deque will do.
+        self._plain = not enable_caching and eviction == "lru"
+        self.free_queue = (deque(range(num_blocks)) if self._plain
+                           else OrderedDict((b, None) for b in range(num_blocks)))
         self.ref_count = [0] * num_blocks
         self.block_key: list[tuple | None] = [None] * num_blocks
         self.cached: dict[tuple, int] = {}
@@ -121,7 +124,7 @@ class BlockAllocator:
                 table.append(block)
         else:
             self._count_slack(seq_id, table, -1)
-        new_blocks = tuple(self._pop_free() for _ in range(num_needed))
+        new_blocks = self._take_blocks(num_needed)
         if copy_on_write:
             self.ref_count[table[-1]] -= 1
             table[-1] = new_blocks[0]
@@ -154,6 +157,13 @@ class BlockAllocator:
         self._count_slack(seq_id, table, -1)
         self.forked.discard(seq_id)
         del self.num_allocated_tokens[seq_id], self.final_len[seq_id], self.num_keyed_blocks[seq_id]
+        if self._plain:
+            ref_count, queue = self.ref_count, self.free_queue
+            for block in reversed(table):
+                ref_count[block] -= 1
+                if ref_count[block] == 0:
+                    queue.append(block)
+            return
         self.clock += 1
         for block in reversed(table):
             self.ref_count[block] -= 1
@@ -206,8 +216,9 @@ class BlockAllocator:
     def _touch(self, block: int) -> None:
         if self.ref_count[block] == 0:
             del self.free_queue[block]
-            self._uncached_free.pop(block, None)
-            self._free_stamp[block] += 1  # invalidates its heap entry
+            if self.eviction != "lru":
+                self._uncached_free.pop(block, None)
+                self._free_stamp[block] += 1  # invalidates its heap entry
             if self.block_key[block] is not None:
                 self.num_cached_free -= 1
         self.ref_count[block] += 1
@@ -217,19 +228,19 @@ class BlockAllocator:
 
     def _push_free(self, block: int) -> None:
         self.free_queue[block] = None
-        self._free_stamp[block] += 1
-        if self.block_key[block] is None:
-            if self.eviction != "lru":
-                self._uncached_free[block] = None
-        else:
+        keyed = self.block_key[block] is not None
+        if keyed:
             self.num_cached_free += 1
-            if self.eviction != "lru":
+        if self.eviction != "lru":  # LRU is the queue order itself
+            self._free_stamp[block] += 1
+            if keyed:
                 stats = BlockStats(self.last_access[block], self.hits[block], self.created[block])
                 heapq.heappush(self._heap, (self._sort_key(stats), self._free_stamp[block], block))
+            else:
+                self._uncached_free[block] = None
 
-    def _victim(self) -> int:
-        if self.eviction == "lru":
-            return self.free_queue.popitem(last=False)[0]
+    def _victim_by_policy(self) -> int:
+        """lfu / fifo: an unkeyed free block if any, else the keyed one with the smallest key."""
         if self._uncached_free:
             block = self._uncached_free.popitem(last=False)[0]
         else:
@@ -240,9 +251,20 @@ class BlockAllocator:
         del self.free_queue[block]
         return block
 
+    def _take_blocks(self, count: int) -> tuple[int, ...]:
+        if self._plain:
+            popleft, ref_count = self.free_queue.popleft, self.ref_count
+            blocks = tuple(popleft() for _ in range(count))
+            for block in blocks:
+                ref_count[block] = 1
+            return blocks
+        return tuple(self._pop_free() for _ in range(count))
+
     def _pop_free(self) -> int:
-        block = self._victim()
-        self._uncached_free.pop(block, None)
+        if self.eviction == "lru":
+            block = self.free_queue.popitem(last=False)[0]
+        else:
+            block = self._victim_by_policy()
         key = self.block_key[block]
         if key is not None:  # lazy eviction of a cached block
             self.num_cached_free -= 1
