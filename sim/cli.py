@@ -28,7 +28,7 @@ FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help", "--ver
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -152,6 +152,8 @@ BAD = [
     ("mooncake", "t.jsonl", "", ["no requests"]),
     ("azure", "a.csv", "TIMESTAMP,Context,GeneratedTokens\n", ["missing column(s) ContextTokens", "a.csv:1"]),
     ("azure", "a.csv", "", ["empty file", "a.csv:1"]),
+    # Found by the fuzzer: a quoted header cell spanning lines must not break the one-line error.
+    ("burstgpt", "b.csv", 'Timestamp,Model,"Reques tokens,Response tokens\n0.5",x\n', ["missing column(s)", "b.csv:1"]),
     ("burstgpt", "b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
      "0,m,abc,1,1,x\n", ["b.csv:2 field Request tokens", "not an integer"]),
     ("agentic", "s.json", json.dumps({"block_size": 64, "requests": [

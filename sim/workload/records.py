@@ -16,7 +16,9 @@ class TraceError(KvsimError):
 
     def __init__(self, what: str, where: str, field: str | None, fix: str):
         place = f"{where} field {field}" if field else where
-        super().__init__(f"{what}, {place}, {fix}")
+        # Values quoted from the file may hold line breaks; the message stays one line.
+        message = f"{what}, {place}, {fix}".replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(message)
         self.where = where
 
 
