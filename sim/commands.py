@@ -95,16 +95,15 @@ def report_task(cfg: DictConfig) -> None:
 
 def trace_stats_task(cfg: DictConfig) -> None:
     """Statistics of a trace (trace.path=...) or of a scenario (scenario=NAME)."""
-    from hydra.utils import instantiate
-
     from sim.workload.stats import scenario_stats, trace_stats
     from sim.workload.trace import TraceSpec
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
     if cfg.scenario is not None:
+        from sim.run import build_workload
         name = HydraConfig.get().runtime.choices.get("scenario")
-        workload = instantiate(cfg.scenario, _partial_=True)().generate(cfg.seed)
+        workload = build_workload(cfg, cfg.seed)
         stats = scenario_stats(workload, cfg.block_size, name)
     else:
         stats = trace_stats(TraceSpec(**OmegaConf.to_container(cfg.trace, resolve=True)), cfg.seed)

@@ -71,7 +71,11 @@ def load_allocator_config(name: str) -> DictConfig:
 
 
 def _instantiate(cfg, where: str, **kwargs):
-    """instantiate(cfg)(**kwargs); runtime objects are passed after composition, untouched."""
+    """instantiate(cfg)(**kwargs); runtime objects are passed after composition, untouched.
+
+    A key the target does not take (a typo in a YAML file or a +key override) fails here, as one
+    ConfigError naming the config.
+    """
     try:
         return instantiate(cfg, _partial_=True)(**kwargs)
     except InstantiationException as exc:
@@ -80,6 +84,8 @@ def _instantiate(cfg, where: str, **kwargs):
             raise cause from None
         detail = str(cause).splitlines()[0]
         raise ConfigError(f"cannot build {where} ({detail}), {where}, fix or remove the offending key") from None
+    except TypeError as exc:
+        raise ConfigError(f"cannot build {where} ({exc}), {where}, fix or remove the offending key") from None
 
 
 def prepare(cfg: DictConfig) -> Setup:

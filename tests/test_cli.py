@@ -99,6 +99,8 @@ def test_multirun_sweeps(tmp_path):
     (["run", "model=llama31_405b", "tensor_parallel_size=2"],
      ["does not fit", "tensor_parallel_size=16"]),
     (["fly"], ["unknown command 'fly'"]),
+    (["run", "+scenario.bogus=1"], ["scenario config", "bogus"]),
+    (["run", "+allocator_options={paged: {bogus: 1}}", "allocators=[paged]"], ["allocator config 'paged'", "bogus"]),
     (["kv", "model=nope"], ["unknown model 'nope'"]),
     (["report", "run_dir=missing"], ["comparison.csv", "missing"]),
     (["trace-stats", "trace.path=missing.jsonl"], ["no such file", "missing.jsonl"]),
