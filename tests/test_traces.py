@@ -202,3 +202,11 @@ def test_directories_are_only_for_agentic_sessions(tmp_path):
 def test_unknown_format_is_a_config_error():
     with pytest.raises(KvsimError, match="unknown trace format 'csvx'"):
         TraceSpec(path="x", format="csvx")
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "azure", "agentic", "auto"])
+def test_undecodable_bytes_are_a_trace_error(tmp_path, fmt):
+    path = tmp_path / ("t.json" if fmt == "agentic" else "t.jsonl")
+    path.write_bytes(b'{"timestamp": 0, "input_length": \xff\xfe}\n')
+    with pytest.raises(TraceError):
+        build_workload(TraceSpec(path=str(path), format=fmt), 0)

@@ -39,7 +39,7 @@ def session_files(path_text: str) -> list[Path]:
 
 def load_session(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8", errors="replace") as handle:
             text = handle.read()
     except OSError as exc:
         raise TraceError(f"cannot read the file ({exc.strerror})", str(path), None, "check trace.path") from None

@@ -9,7 +9,7 @@ from sim.workload.records import TraceError
 
 
 def rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
-    with open(path, newline="", encoding="utf-8") as handle:
+    with open(path, newline="", encoding="utf-8", errors="replace") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
         if header is None:

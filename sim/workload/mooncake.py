@@ -42,7 +42,7 @@ def parse_line(text: str, where: str) -> TraceRequest:
 
 def read(path: Path) -> Iterator[tuple[str, str]]:
     """(location, text) per non-empty line, streamed."""
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:  # bad bytes fail as JSON
         for number_, line in enumerate(handle, start=1):
             if line.strip():
                 yield f"{path}:{number_}", line
