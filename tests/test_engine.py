@@ -42,10 +42,11 @@ def test_more_memory_never_gives_more_preemptions(run_config, allocator):
     assert preemptions == sorted(preemptions, reverse=True)
 
 
-def test_same_seed_gives_identical_results_and_another_seed_differs(run_config):
-    first = [flatten(r.metrics) for r in run_all(run_config("allocators=[prefix]"))]
-    second = [flatten(r.metrics) for r in run_all(run_config("allocators=[prefix]"))]
-    other = [flatten(r.metrics) for r in run_all(run_config("allocators=[prefix]", "seed=1"))]
+@pytest.mark.parametrize("allocators", ["[prefix]", "[radix,contiguous_pow2]"])
+def test_same_seed_gives_identical_results_and_another_seed_differs(run_config, allocators):
+    first = [flatten(r.metrics) for r in run_all(run_config(f"allocators={allocators}"))]
+    second = [flatten(r.metrics) for r in run_all(run_config(f"allocators={allocators}"))]
+    other = [flatten(r.metrics) for r in run_all(run_config(f"allocators={allocators}", "seed=1"))]
     for a, b in zip(first, second):
         a.pop("wall_time_s"), b.pop("wall_time_s")
         assert a == b
