@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from calibration.fit import fit_profile, predict, prepare
+from calibration.fit import fit_profile, operator_params, predict, prepare
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
@@ -97,17 +97,12 @@ def predict_task(cfg: DictConfig) -> None:
         except (KeyError, ValueError) as exc:
             raise RawError(f"{op} rows need their shape columns ({exc}), {shapes_path}, "
                            f"e.g. gemm: m,n,k,dtype") from None
-        out[index] = predict(prepared, profile, op, _operator(profile, op))
+        out[index] = predict(prepared, profile, op, operator_params(profile, op))
     result = shapes.assign(time_s=out)
     tmp = Path(str(cfg.out) + ".tmp")
     result.to_csv(tmp, index=False)
     tmp.replace(cfg.out)
     print(f"wrote {len(result)} predictions to {cfg.out}")
-
-
-def _operator(profile: dict, op: str) -> dict:
-    key = {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
-    return profile["operators"].get(key) or profile.get("extra_operators", {}).get(op) or profile["operators"]["gemm"]
 
 
 def show_task(cfg: DictConfig) -> None:

@@ -167,11 +167,11 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
     for op in sorted(set(frame.op) & set(OPS)):
         rows = prepare(frame, op, base)
         params = fit_op(rows, base, op)
-        datasheet = {k: base["operators"].get(_operator_key(op), base["operators"]["gemm"])[k]
+        datasheet = {k: base["operators"].get(operator_key(op), base["operators"]["gemm"])[k]
                      for k in ("compute_efficiency", "memory_efficiency", "t0_s")}
         report[op] = {"fit": {k: params[k] for k in ("compute_efficiency", "memory_efficiency", "t0_s")},
                       **evaluate(rows, base, op, datasheet)}
-        key = _operator_key(op)
+        key = operator_key(op)
         if key in profile["operators"]:
             profile["operators"][key] = {**params, "source": source, "origin": origin}
         else:
@@ -180,6 +180,13 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
     return profile, report
 
 
-def _operator_key(op: str) -> str:
+def operator_key(op: str) -> str:
     """Raw op names -> the latency model's operators (sim.latency.profile.OPERATORS)."""
     return {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
+
+
+def operator_params(profile: dict, op: str) -> dict:
+    """A profile's fitted parameters for a raw op: its latency-model operator, else an extra
+    fitted operator, else (never measured, unknown to the latency model) the GEMM's."""
+    return (profile["operators"].get(operator_key(op)) or profile.get("extra_operators", {}).get(op)
+            or profile["operators"]["gemm"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from calibration.fit import predict, prepare
+from calibration.fit import operator_params, predict, prepare
 from sim.report import _pyplot, _save
 
 SPLITS = (("held_out_classes", "held-out shape classes (5 folds of whole classes)"),
@@ -56,9 +56,7 @@ def write_report(frame: pd.DataFrame, profile: dict, base: dict, report: dict, f
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
         rows = prepare(frame, op, base)
-        key = {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
-        params = profile["operators"].get(key) or profile["extra_operators"][op]
-        predicted = predict(rows, base, op, params)
+        predicted = predict(rows, base, op, operator_params(profile, op))
         ax.loglog(rows.t, predicted, ".", markersize=2, alpha=0.4)
         low, high = float(np.min(rows.t)), float(np.max(rows.t))
         ax.plot([low, high], [low, high], "k--", linewidth=0.8)
