@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -124,15 +125,10 @@ def records(path_text: str, share_preamble: bool = False) -> Iterator[TraceReque
                 if shared and request.chain == 0:  # subagents have preambles of their own
                     ids = list(request.hash_ids)
                     ids[:shared] = [("preamble", i) for i in range(min(shared, len(ids)))]
-                    request = _with_ids(request, tuple(ids))
+                    request = replace(request, hash_ids=tuple(ids))
                 yield request
         except TraceError as error:
             yield error
-
-
-def _with_ids(request: TraceRequest, hash_ids: tuple) -> TraceRequest:
-    return TraceRequest(request.arrival_s, request.input_len, request.output_len, hash_ids,
-                        request.think_time_s, request.session, request.chain, request.where)
 
 
 def write(sessions: list[list[TraceRequest]], folder: Path, tool_tokens: int = 0, system_tokens: int = 0) -> None:

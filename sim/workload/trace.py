@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -176,9 +176,9 @@ def timed_requests(spec: TraceSpec, fmt: TraceFormat, requests: list[TraceReques
     if fmt.has_sessions:
         sessions = list(dict.fromkeys(r.session for r in requests))
         starts = dict(zip(sessions, _arrivals(spec, len(sessions), seed)))
-        requests = [_moved(r, starts[r.session] + r.arrival_s) for r in requests]
+        requests = [replace(r, arrival_s=starts[r.session] + r.arrival_s) for r in requests]
     elif not fmt.has_timestamps:
-        requests = [_moved(r, t) for r, t in zip(requests, _arrivals(spec, len(requests), seed))]
+        requests = [replace(r, arrival_s=t) for r, t in zip(requests, _arrivals(spec, len(requests), seed))]
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep trace order
     if spec.start_s is not None or spec.end_s is not None:
         low = spec.start_s if spec.start_s is not None else -math.inf
@@ -194,13 +194,8 @@ def timed_requests(spec: TraceSpec, fmt: TraceFormat, requests: list[TraceReques
     span = requests[-1].arrival_s - first
     if spec.target_rate_rps is not None and span > 0 and len(requests) > 1:
         scale = (len(requests) - 1) / span / spec.target_rate_rps
-    return [TraceRequest((r.arrival_s - first) * scale, r.input_len, r.output_len, r.hash_ids,
-                         r.think_time_s * scale, r.session, r.chain, r.where) for r in requests]
-
-
-def _moved(r: TraceRequest, arrival_s: float) -> TraceRequest:
-    return TraceRequest(arrival_s, r.input_len, r.output_len, r.hash_ids, r.think_time_s,
-                        r.session, r.chain, r.where)
+    return [replace(r, arrival_s=(r.arrival_s - first) * scale, think_time_s=r.think_time_s * scale)
+            for r in requests]
 
 
 def prompt_segments(fmt: TraceFormat, request: TraceRequest, content_of, unique) -> list[tuple[int, int]]:
