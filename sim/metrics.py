@@ -37,7 +37,7 @@ class Recorder:
         usage = scheduler.allocator.usage(scheduler.first_waiting)
         self.timeline.append((
             replica, time_s, usage.capacity, *usage.as_tuple(), len(plan.scheduled),
-            sum(n for _, n in plan.scheduled), len(scheduler.running), len(scheduler.waiting),
+            plan.shape.num_tokens, len(scheduler.running), len(scheduler.waiting),
             plan.num_preempted, plan.shape.swap_tokens))
 
     def record_finished(self, samples) -> None:

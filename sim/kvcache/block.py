@@ -209,9 +209,6 @@ class BlockAllocator:
             internal += i
         return reserved, internal
 
-    def blocks_of(self, seq) -> list[int]:
-        return list(self.tables.get(seq.seq_id, ()))
-
     # -- mechanics ---------------------------------------------------------------------------
     def _touch(self, block: int) -> None:
         if self.ref_count[block] == 0:

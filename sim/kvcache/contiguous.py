@@ -46,6 +46,7 @@ class ContiguousAllocator:
         self.extents: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
         self.reservation: dict[int, int] = {}  # seq_id -> slots reserved (<= extent length)
         self.total_rounding = 0  # extent slots beyond reservations (buddy's power-of-two round-up)
+        self.total_extent_slots = 0
         self.num_allocated_tokens: dict[int, int] = {}
         self.final_len: dict[int, int] = {}
         self.total_tokens = 0
@@ -77,6 +78,7 @@ class ContiguousAllocator:
             if extent is None:
                 return None
             self.extents[seq_id] = extent
+            self.total_extent_slots += extent[1]
             self.reservation[seq_id] = wanted
             self.total_rounding += extent[1] - wanted
             self.num_allocated_tokens[seq_id] = 0
@@ -105,6 +107,7 @@ class ContiguousAllocator:
     def free(self, seq) -> None:
         seq_id = seq.seq_id
         start, length = self.extents.pop(seq_id)
+        self.total_extent_slots -= length
         tokens = self.num_allocated_tokens[seq_id]
         self._drop_slack(seq_id, tokens)
         self.total_tokens -= tokens
@@ -113,7 +116,7 @@ class ContiguousAllocator:
         self.space.release(start, length)
 
     def usage(self, first_waiting=None) -> KVUsage:
-        num_free = self.num_slots - sum(length for _, length in self.extents.values())
+        num_free = self.num_slots - self.total_extent_slots
         unusable = 0
         if first_waiting is not None:
             unusable = self.space.unusable_slots(self.reservation_of(first_waiting))

@@ -45,8 +45,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.num_swapped_out = 0
         self.swap_used_tokens = 0
         self._swap_tokens = 0  # moved over the host link in the step being planned
         self._next_sibling_id = FIRST_SIBLING_ID
@@ -136,13 +134,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq)
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         room = self.spec.swap_space_tokens - self.swap_used_tokens
         if self.spec.preemption_mode == "swap" and 0 < seq.num_computed <= room:
             seq.num_swapped_tokens = seq.num_computed
             self.swap_used_tokens += seq.num_computed
             self._swap_tokens += seq.num_computed
-            self.num_swapped_out += 1
             self.swapped.append(seq)
             return
         seq.num_computed = 0  # recompute (also when the CPU pool is full)
