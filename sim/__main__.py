@@ -20,8 +20,22 @@ def _commands():
 USAGE = "usage: python -m sim {run|kv|trace-stats|report} [key=value ...] [-m] [--cfg job]"
 
 
+def select_trace_scenario(argv: list[str]) -> list[str]:
+    """`run trace.path=FILE` without a scenario means scenario=trace (said on stderr)."""
+    if not argv or argv[0] != "run":
+        return argv
+    sets_trace = any(a.lstrip("+").startswith("trace.") and not a.startswith("trace.on_overlength")
+                     for a in argv[1:])
+    chooses = any(a.startswith(("scenario=", "+experiment=", "experiment=")) for a in argv[1:])
+    if sets_trace and not chooses:
+        print("note: trace.* keys given without a scenario: running scenario=trace", file=sys.stderr)
+        return [*argv, "scenario=trace"]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
-    dispatch(sys.argv[1:] if argv is None else argv, _commands(), USAGE)
+    argv = sys.argv[1:] if argv is None else argv
+    dispatch(select_trace_scenario(argv), _commands(), USAGE)
 
 
 if __name__ == "__main__":

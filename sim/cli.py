@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sim.config import register_schemas
 from sim.errors import KvsimError
+from sim.staging import Staging, discard_failed_job
 
 CONFIG_MODULE = "scenarios"
 # Hydra flags that take a value, and those that do not; neither is an override.
@@ -102,17 +103,30 @@ def _sweep_variants(overrides: list[str]) -> list[tuple[list[str], str | None]]:
     return combos
 
 
-def validate(config_name: str, overrides: list[str], register=register_schemas) -> None:
+def validate(config_name: str, overrides: list[str], register=register_schemas):
+    """Compose every sweep variant; return the first composition (with Hydra's own keys)."""
     register()
+    first = None
     for combo, origin in _sweep_variants(overrides):
         GlobalHydra.instance().clear()
         try:
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                compose(config_name=config_name, overrides=combo, return_hydra_config=True)
+                cfg = compose(config_name=config_name, overrides=combo, return_hydra_config=True)
+                first = cfg if first is None else first
         except (HydraException, OmegaConfBaseException, ValueError) as exc:
             fail(_explain(exc, origin or _guilty(config_name, combo)))
         finally:
             GlobalHydra.instance().clear()
+    return first
+
+
+def num_sweep_jobs(overrides: list[str]) -> int:
+    jobs = 1
+    for text in overrides:
+        override = OverridesParser.create().parse_override(text)
+        if override.is_sweep_override():
+            jobs *= len(list(override.sweep_string_iterator()))
+    return jobs
 
 
 def _guilty(config_name: str, overrides: list[str]) -> str | None:
@@ -135,7 +149,11 @@ def guarded(task):
         try:
             return task(cfg)
         except KvsimError as exc:
+            discard_failed_job()
             fail(str(exc))
+        except BaseException:
+            discard_failed_job()
+            raise
     wrapper.__name__ = task.__name__
     wrapper.__doc__ = task.__doc__
     return wrapper
@@ -152,8 +170,11 @@ def dispatch(argv: list[str], commands: dict[str, tuple[str, Callable]], usage: 
         fail(f"unknown command '{command}', command line, use one of: {', '.join(commands)}")
     config_name, load_task = commands[command]
     rest = argv[1:]
-    validate(config_name, split_flags(rest), register=register)
-    sys.argv = [f"{sys.argv[0]} {command}", *rest]  # Hydra would read the word as an override
+    overrides = split_flags(rest)
+    composed = validate(config_name, overrides, register=register)
+    staging = Staging.plan(composed, rest, overrides)
+    sys.argv = [f"{sys.argv[0]} {command}", *rest, *staging.overrides]  # not the command word
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=config_name,
                      version_base="1.3")(guarded(load_task()))
-    app()
+    with staging:
+        app()

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sim.errors import ConfigError
+from sim.staging import final_dir, sweep_progress
 from sim.models import model_from_dict, resolve_kv_dtype
 
 GiB = 2**30
@@ -15,26 +17,55 @@ GiB = 2**30
 
 def run_task(cfg: DictConfig) -> None:
     """Simulate the scenario once per allocator; write results, plots and comparison.csv."""
-    from sim.report import format_table, plot_comparison
+    from sim.report import format_serving, format_table, plot_run, run_title
     from sim.results import write_run
     from sim.run import run_all
+    from sim.unserved import unserved_warnings
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.task == "sharing":
         return sharing_task(cfg, out_dir)
     if cfg.task != "compare":
         raise ConfigError(f"unknown task '{cfg.task}', key task, use compare or sharing")
-    results = run_all(cfg)
+    check_keys_are_read(cfg, HydraConfig.get().runtime.choices)
+    results = run_all(cfg, show_progress=cfg.progress and not cfg.quiet)
+    for line in unserved_warnings(results, cfg):
+        print(line, file=sys.stderr)
+    title = run_title(cfg, HydraConfig.get())
+    for result in results:
+        result.metrics["run_title"] = title
     comparison = write_run(out_dir, results, cfg)
     if cfg.plots:
-        plot_comparison(comparison, out_dir / "comparison.png")
+        plot_run(comparison, {r.allocator: r.timeline for r in results},
+                 {r.allocator: r.requests for r in results}, out_dir, title)
     if not cfg.quiet:
-        choices = HydraConfig.get().runtime.choices
-        print(f"scenario={choices.get('scenario')} model={choices.get('model')} gpu={cfg.gpu} "
-              f"tensor_parallel_size={cfg.tensor_parallel_size} "
-              f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
+        print(title)
         print(format_table(comparison))
-        print(f"results: {out_dir}")
+        print(format_serving(comparison))
+        print(f"results: {final_dir(out_dir)}")
+    progress = sweep_progress(out_dir)
+    if progress and cfg.progress:
+        print(progress, file=sys.stderr)
+
+
+def check_keys_are_read(cfg: DictConfig, choices) -> None:
+    """A key the user set that nothing in this run reads is an error, not silently ignored."""
+    scenario = choices.get("scenario")
+    allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
+    for override in HydraConfig.get().overrides.task:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.startswith("trace.") and key not in READ_BY_EVERY_SCENARIO and scenario != "trace":
+            raise ConfigError(f"{key} is set but scenario={scenario} reads no trace, override "
+                              f"'{override}', add scenario=trace or drop the trace.* keys")
+        if key.startswith("allocator_options."):
+            name = key.split(".")[1]
+            if name not in allocators:
+                raise ConfigError(f"{key} is set but {name} is not in allocators="
+                                  f"[{','.join(cfg.allocators)}], override '{override}', "
+                                  f"add {name} to allocators or drop the option")
+
+
+READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}
 
 
 def sharing_task(cfg: DictConfig, out_dir: Path) -> None:

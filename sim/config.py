@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from sim.errors import ConfigError
 
 PREEMPTION_MODES = ("recompute", "swap")
+OVERLENGTH_POLICIES = ("reject", "truncate")
 
 
 @dataclass
@@ -39,6 +40,14 @@ class TraceConfig:
     share_preamble: bool = False
     arrival_process: str = "poisson"
     arrival_rate_rps: float = 1.0
+    on_overlength: str = "reject"
+
+
+@dataclass
+class MeasureConfig:
+    """The span over which latency, throughput and KV shares are measured."""
+    warmup_s: float = 0.0
+    exclude_drain: bool = False
 
 
 @dataclass
@@ -56,8 +65,10 @@ class RunConfig:
     gpu_memory_utilization: float = MISSING
     enable_prefix_caching: bool = MISSING
     enable_chunked_prefill: bool = MISSING
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
     kv_cache_dtype: str = MISSING
-    max_model_len: int = MISSING
+    max_model_len: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
     activation_reserve_bytes: int = MISSING
     preemption_mode: str = MISSING
@@ -68,8 +79,10 @@ class RunConfig:
     task: str = "compare"
     sharing: Any = None
     trace: TraceConfig = field(default_factory=TraceConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
     plots: bool = True
     quiet: bool = False
+    progress: bool = True
 
 
 @dataclass
@@ -117,6 +130,8 @@ class EngineSpec:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
+    scheduler_reserve_full_isl: bool
+    watermark: float
     kv_cache_dtype: str
     max_model_len: int
     kv_cache_memory_bytes: Optional[int]
@@ -125,6 +140,9 @@ class EngineSpec:
     allocators: tuple[str, ...]
     preemption_mode: str
     swap_space_bytes: float
+    on_overlength: str
+    warmup_s: float
+    exclude_drain: bool
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -132,8 +150,13 @@ def _require(condition: bool, key: str, what: str, fix: str) -> None:
         raise ConfigError(f"{what}, key {key}, {fix}")
 
 
-def engine_spec(cfg: DictConfig) -> EngineSpec:
+def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
+    """Validated runtime knobs; a null max_model_len becomes the model's native window."""
     c = OmegaConf.to_container(cfg, resolve=True)
+    if c["max_model_len"] is None:
+        _require(native_window > 0, "max_model_len", "max_model_len is null and the model states no window",
+                 "set max_model_len=<tokens>")
+        c["max_model_len"] = native_window
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",
@@ -158,6 +181,12 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
              f"unknown preemption_mode '{c['preemption_mode']}'", "use recompute or swap")
     _require(c["swap_space"] >= 0, "swap_space", f"swap_space={c['swap_space']} is negative",
              "give GiB of CPU memory per GPU (vLLM's default is 4)")
+    _require(0 <= c["watermark"] < 1, "watermark", f"watermark={c['watermark']} is not in [0, 1)",
+             "give a share of KV blocks, e.g. 0.01 (vLLM's default is 0)")
+    _require(c["trace"]["on_overlength"] in OVERLENGTH_POLICIES, "trace.on_overlength",
+             f"unknown trace.on_overlength '{c['trace']['on_overlength']}'", "use reject or truncate")
+    _require(c["measure"]["warmup_s"] >= 0, "measure.warmup_s",
+             f"measure.warmup_s={c['measure']['warmup_s']} is negative", "give seconds >= 0")
     _require(c["kv_cache_memory_bytes"] is None or c["kv_cache_memory_bytes"] > 0, "kv_cache_memory_bytes",
              "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
     return EngineSpec(
@@ -166,8 +195,12 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
         max_num_batched_tokens=c["max_num_batched_tokens"],
         gpu_memory_utilization=c["gpu_memory_utilization"],
         enable_prefix_caching=c["enable_prefix_caching"],
-        enable_chunked_prefill=c["enable_chunked_prefill"], kv_cache_dtype=c["kv_cache_dtype"],
+        enable_chunked_prefill=c["enable_chunked_prefill"],
+        scheduler_reserve_full_isl=c["scheduler_reserve_full_isl"], watermark=c["watermark"],
+        kv_cache_dtype=c["kv_cache_dtype"],
         max_model_len=c["max_model_len"], kv_cache_memory_bytes=c["kv_cache_memory_bytes"],
         activation_reserve_bytes=c["activation_reserve_bytes"],
         num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]),
-        preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30)
+        preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30,
+        on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
+        exclude_drain=c["measure"]["exclude_drain"])

@@ -3,42 +3,57 @@
 Definitions (issue 2 / DESIGN.md): TTFT = end of the step that computed the last prompt token
 minus arrival (a session turn arrives when it becomes eligible); TPOT = (e2e - TTFT) / (output
 tokens - 1) over requests with more than one output token; percentiles as numpy computes them by
-default; sim_duration_s = last finish - first arrival. The KV breakdown is sampled after each
-step's commit and held until that replica's next step; each category's time integral over the
-capacity's, from first arrival to last finish, summed over replicas.
+default; ITL = the gap between consecutive output tokens of a sequence, over every token
+(as vllm bench serve pools them), percentiles by inverted CDF. The KV breakdown is sampled after
+each step's commit and held until that replica's next step; each category's time integral over
+the capacity's, summed over replicas.
+
+Measurement window (`measure.*`): from first arrival + warmup_s to the last finish, or to the
+last arrival with exclude_drain. Latency covers finished requests that arrived inside it;
+throughput counts output tokens sampled and requests finished inside it per second of it
+(sim_duration_s is its length); KV shares are integrals over it. Request counts, rejections,
+unserved requests, prefix-cache figures and preemptions always cover every request.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from sim.errors import ConfigError
 from sim.kvcache.base import USAGE_FIELDS
 
 REQUEST_COLUMNS = ("request_id", "session_id", "turn", "replica", "status", "arrival_time_s",
                    "first_token_time_s", "finish_time_s", "prompt_tokens", "output_tokens",
-                   "total_output_tokens", "num_samples", "prefix_hit_tokens", "num_preemptions")
+                   "total_output_tokens", "num_samples", "prefix_hit_tokens", "num_preemptions",
+                   "requested_output_tokens")
 TIMELINE_COLUMNS = ("replica", "time_s", "capacity", *USAGE_FIELDS, "batch_size",
                     "num_batched_tokens", "num_running", "num_waiting", "num_preempted",
-                    "num_swapped_tokens")
+                    "num_swapped_tokens", "num_output_tokens")
 
 
 class Recorder:
     def __init__(self):
         self.requests: list[tuple] = []
         self.timeline: list[tuple] = []
+        self.itl_samples: list[tuple[float, float, int]] = []
 
     def record_initial(self, replica: int, time_s: float, allocator) -> None:
         usage = allocator.usage(None)
-        self.timeline.append((replica, time_s, usage.capacity, *usage.as_tuple(), 0, 0, 0, 0, 0, 0))
+        self.timeline.append((replica, time_s, usage.capacity, *usage.as_tuple(), 0, 0, 0, 0, 0, 0, 0))
 
     def record_step(self, replica: int, time_s: float, plan, scheduler) -> None:
         usage = scheduler.allocator.usage(scheduler.first_waiting)
         self.timeline.append((
             replica, time_s, usage.capacity, *usage.as_tuple(), len(plan.scheduled),
             plan.shape.num_tokens, len(scheduler.running), len(scheduler.waiting),
-            plan.num_preempted, plan.shape.swap_tokens))
+            plan.num_preempted, plan.shape.swap_tokens, scheduler.num_sampled))
+
+    def record_itl(self, samples) -> None:
+        """A replica's inter-token gaps (time_s, gap_s, count), collected once at the end."""
+        self.itl_samples.extend(samples)
 
     def record_finished(self, samples) -> None:
         """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
@@ -48,12 +63,13 @@ class Recorder:
             r.request_id, r.session_id, r.turn, first.replica, "finished", first.arrival_time_s,
             min(s.first_token_time_s for s in samples), max(s.finish_time_s for s in samples),
             r.prompt_len, max(s.num_output for s in samples), sum(s.num_output for s in samples),
-            len(samples), first.prefix_hit_tokens, sum(s.num_preemptions for s in samples)))
+            len(samples), first.prefix_hit_tokens, sum(s.num_preemptions for s in samples),
+            r.output_len))
 
     def record_rejected(self, request, time_s: float) -> None:
         self.requests.append((request.request_id, request.session_id, request.turn, -1,
                               "rejected", time_s, math.nan, math.nan, request.prompt_len, 0, 0,
-                              request.n, 0, 0))
+                              request.n, 0, 0, request.output_len))
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
@@ -90,13 +106,78 @@ def kv_fractions(timeline: pd.DataFrame, start_s: float, end_s: float) -> dict[s
     return {f"{name}_frac": totals[name] / capacity_time for name in USAGE_FIELDS}
 
 
-def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: float,
-              gpu: str, profile_source: str) -> dict:
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The measured span [start_s, end_s] and what the whole run spans."""
+    start_s: float
+    end_s: float
+    first_arrival_s: float
+    last_finish_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def as_dict(self) -> dict:
+        return {"window_s": [self.start_s, self.end_s],
+                "excluded_warmup_s": [self.first_arrival_s, self.start_s],
+                "excluded_drain_s": [self.end_s, self.last_finish_s]}
+
+
+def measurement_window(requests: pd.DataFrame, warmup_s: float, exclude_drain: bool) -> Window:
+    """[first arrival + warmup_s, last finish], or up to the last arrival without the drain."""
     done = requests[requests.status == "finished"]
-    start_s = float(requests.arrival_time_s.min()) if len(requests) else 0.0
-    end_s = float(done.finish_time_s.max()) if len(done) else start_s
-    duration = end_s - start_s
-    kv = kv_fractions(timeline, start_s, end_s)
+    first = float(requests.arrival_time_s.min()) if len(requests) else 0.0
+    last_finish = float(done.finish_time_s.max()) if len(done) else first
+    start = first + warmup_s
+    end = float(requests.arrival_time_s.max()) if exclude_drain and len(requests) else last_finish
+    if (warmup_s or exclude_drain) and end <= start:
+        raise ConfigError(f"measure.warmup_s={warmup_s:g} leaves no span to measure (arrivals end "
+                          f"{end - first:.1f} s after the first), key measure.warmup_s, "
+                          f"lower it or run more requests")
+    return Window(start, max(end, start), first, last_finish)
+
+
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict[str, float]:
+    """Mean and inverted-CDF percentiles of values repeated weights times."""
+    if values.size == 0 or weights.sum() == 0:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    order = np.argsort(values, kind="stable")
+    values, cumulative = values[order], np.cumsum(weights[order])
+    total = cumulative[-1]
+    at = {q: float(values[np.searchsorted(cumulative, q / 100 * total)]) for q in (50, 90, 99)}
+    return {"mean": float((values * weights[order]).sum() / total),
+            "p50": at[50], "p90": at[90], "p99": at[99]}
+
+
+def _itl(samples, window: Window) -> dict[str, float]:
+    data = np.array(samples, dtype=float).reshape(-1, 3)
+    inside = (data[:, 0] > window.start_s) & (data[:, 0] <= window.end_s)
+    return weighted_percentiles(data[inside, 1], data[inside, 2])
+
+
+def _unserved(requests: pd.DataFrame, num_workload_requests: int, counts: dict) -> dict[str, int]:
+    """Requests not served as asked, by reason."""
+    done = requests[requests.status == "finished"]
+    return {
+        "rejected_prompt_too_long": int((requests.status == "rejected").sum()),
+        "truncated_prompt": int(counts.get("truncated_prompt", 0)),
+        "truncated_output": int((done.output_tokens < done.requested_output_tokens).sum()),
+        "skipped_malformed_records": int(counts.get("skipped_malformed_records", 0)),
+        "failed_in_trace": int(counts.get("failed_in_trace", 0)),
+        "unfinished": int(num_workload_requests - len(requests)),
+    }
+
+
+def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: float,
+              gpu: str, profile_source: str, warmup_s: float = 0.0, exclude_drain: bool = False,
+              itl_samples=(), num_workload_requests: int | None = None,
+              workload_counts: dict | None = None) -> dict:
+    done = requests[requests.status == "finished"]
+    window = measurement_window(requests, warmup_s, exclude_drain)
+    duration = window.duration_s
+    measured = done[(done.arrival_time_s >= window.start_s) & (done.arrival_time_s <= window.end_s)]
+    kv = kv_fractions(timeline, window.start_s, window.end_s)
     kv = {"token_states_frac": kv["token_states_frac"], "reserved_frac": kv["reserved_frac"],
           "internal_frag_frac": kv["internal_frag_frac"],
           "external_frag_frac": kv["external_frag_frac"],
@@ -104,21 +185,36 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
     in_use = 1.0 - kv["free_frac"] - kv["cached_idle_frac"]
     wasted = kv["reserved_frac"] + kv["internal_frag_frac"] + kv["external_frag_frac"]
     kv["waste_frac"] = wasted / in_use if in_use > 0 else 0.0
+    for name in USAGE_FIELDS:  # the same shares, named by their denominator
+        kv[f"{name}_of_capacity"] = kv[f"{name}_frac"]
+    kv["waste_of_used"] = kv["waste_frac"]
+    kv["token_states_of_used"] = kv["token_states_frac"] / in_use if in_use > 0 else 0.0
     hit_tokens = int(done.prefix_hit_tokens.sum())
     prompt_tokens = int(done.prompt_tokens.sum())
     steps = timeline[timeline.batch_size > 0]
+    in_window = (timeline.time_s > window.start_s) & (timeline.time_s <= window.end_s)
+    output_tokens = float(timeline.num_output_tokens[in_window].sum())
+    finished_in_window = done[(done.finish_time_s > window.start_s) & (done.finish_time_s <= window.end_s)]
+    if not (warmup_s or exclude_drain):  # the whole run: every finished request counts
+        output_tokens, finished_in_window = float(done.total_output_tokens.sum()), done
+    rate = (lambda amount: amount / duration) if duration > 0 else (lambda amount: 0.0)
+    latency = {"ttft": _percentiles(measured.ttft_s), "tpot": _percentiles(measured.tpot_s),
+               "e2e": _percentiles(measured.e2e_s), "itl": _itl(itl_samples, window)}
+    throughput = {"requests_per_s": rate(len(finished_in_window)),
+                  "output_tokens_per_s": rate(output_tokens),
+                  "total_tokens_per_s": rate(output_tokens + float(finished_in_window.prompt_tokens.sum()))}
+    num_workload = len(requests) if num_workload_requests is None else num_workload_requests
     return {
         "num_requests": int(len(requests)),
         "num_finished": int(len(done)),
         "num_rejected": int((requests.status == "rejected").sum()),
         "sim_duration_s": duration,
         "wall_time_s": wall_time_s,
-        "throughput": {
-            "requests_per_s": len(done) / duration if duration > 0 else 0.0,
-            "output_tokens_per_s": float(done.total_output_tokens.sum()) / duration if duration > 0 else 0.0,
-        },
-        "latency_s": {"ttft": _percentiles(done.ttft_s), "tpot": _percentiles(done.tpot_s),
-                      "e2e": _percentiles(done.e2e_s)},
+        "throughput": throughput,
+        "latency_s": latency,
+        "vllm_bench": vllm_bench_block(latency, throughput, len(measured)),
+        "measurement": {**window.as_dict(), "num_measured_requests": int(len(measured))},
+        "unserved": _unserved(requests, num_workload, workload_counts or {}),
         "kv": kv,
         "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
                          "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens},
@@ -128,6 +224,20 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                       "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
         "latency_profile": {"gpu": gpu, "source": profile_source},
     }
+
+
+def vllm_bench_block(latency: dict, throughput: dict, num_completed: int) -> dict:
+    """The result keys of `vllm bench serve --save-result`, latencies in milliseconds."""
+    block = {"completed": num_completed, "request_throughput": throughput["requests_per_s"],
+             "output_throughput": throughput["output_tokens_per_s"],
+             "total_token_throughput": throughput["total_tokens_per_s"]}
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        name = "e2el" if metric == "e2e" else metric  # vLLM's name for end-to-end latency
+        values = latency[metric]
+        block[f"mean_{name}_ms"] = values["mean"] * 1e3
+        block[f"median_{name}_ms"] = values["p50"] * 1e3
+        block[f"p99_{name}_ms"] = values["p99"] * 1e3
+    return block
 
 
 def flatten(metrics: dict, prefix: str = "") -> dict:

@@ -24,6 +24,8 @@ from sim.latency import LatencyModel, load_profile
 from sim.metrics import Recorder, summarize
 from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
 from sim.scheduler import Scheduler, SchedulerSpec
+from sim.progress import progress_bar
+from sim.workload.overlength import truncate_overlength
 from sim.workload.request import Workload
 
 log = logging.getLogger(__name__)
@@ -90,8 +92,8 @@ def _instantiate(cfg, where: str, **kwargs):
 
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
-    spec = engine_spec(cfg)
     model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    spec = engine_spec(cfg, model.max_position_embeddings)
     _check_context_window(model, spec.max_model_len)
     profile = load_profile(spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
@@ -136,7 +138,8 @@ def build_workload(cfg: DictConfig, seed: int) -> Workload:
     return scenario.generate(seed)
 
 
-def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) -> RunResult:
+def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
+             num_truncated: int = 0, show_progress: bool = False) -> RunResult:
     started = time.perf_counter()
     spec = setup.spec
     env = simpy.Environment()
@@ -146,7 +149,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) 
     swap_tokens = int(spec.swap_space_bytes * spec.tensor_parallel_size // setup.pool.bytes_per_token)
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
                                    spec.enable_chunked_prefill, spec.max_model_len,
-                                   spec.preemption_mode, swap_tokens)
+                                   spec.preemption_mode, swap_tokens,
+                                   spec.scheduler_reserve_full_isl, spec.watermark)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
     for index in range(spec.num_replicas):
@@ -156,17 +160,33 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg) 
         cluster.add_replica(Replica(env, index, Scheduler(scheduler_spec, allocator),
                                     setup.latency, recorder, cluster.on_finish))
     cluster.start(workload)
-    env.run()
+    with progress_bar(show_progress, workload.num_requests, allocator_name) as bar:
+        cluster.on_progress = bar.advance
+        env.run()
+    wall_time_s = time.perf_counter() - started
+    for replica in cluster.replicas:
+        recorder.record_itl(replica.scheduler.itl_samples)
     requests, timeline = recorder.tables()
-    metrics = summarize(requests, timeline, wall_time_s=time.perf_counter() - started,
-                        gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source)
+    counts = {"truncated_prompt": num_truncated,
+              "skipped_malformed_records": workload.num_skipped_records,
+              "failed_in_trace": workload.num_failed_requests}
+    metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
+                        gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
+                        warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
+                        itl_samples=recorder.itl_samples,
+                        num_workload_requests=workload.num_requests, workload_counts=counts)
+    metrics["max_model_len"] = spec.max_model_len
     metrics["workload"] = {"num_skipped_records": workload.num_skipped_records,
                            "num_failed_requests": workload.num_failed_requests}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
 
 
-def run_all(cfg: DictConfig) -> list[RunResult]:
+def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
     setup = prepare(cfg)
     workload = build_workload(cfg, setup.spec.seed)
-    return [simulate(setup, workload, name, cfg.router) for name in setup.allocator_configs]
+    num_truncated = 0
+    if setup.spec.on_overlength == "truncate":
+        workload, num_truncated = truncate_overlength(workload, setup.spec.max_model_len)
+    return [simulate(setup, workload, name, cfg.router, num_truncated, show_progress)
+            for name in setup.allocator_configs]

@@ -20,9 +20,13 @@ def test_primary_configs_compose(name):
 
 def test_main_job_defaults_follow_the_issue():
     cfg = compose_config("run", [])
-    assert cfg.model.name == "llama3_70b" and cfg.gpu == "h100"
+    # rag_agents on a long-context model: 32,768 tokens lie within Llama-3.1's 131,072 window.
+    assert cfg.model.name == "llama31_70b" and cfg.gpu == "h100"
+    assert cfg.model.max_position_embeddings == 131072
     assert cfg.tensor_parallel_size == 4 and cfg.cluster.num_replicas == 2
     assert cfg.max_model_len == 32768 and list(cfg.allocators) == ["contiguous", "paged", "prefix"]
+    assert cfg.scheduler_reserve_full_isl is True and cfg.watermark == 0.0
+    assert cfg.measure.warmup_s > 0 and cfg.measure.exclude_drain is True
     assert cfg.router._target_.endswith("LeastLoaded")
 
 

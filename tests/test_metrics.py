@@ -9,7 +9,7 @@ def timeline(rows):
     # rows: (replica, time, token_states, reserved, internal, external, cached, free)
     records = []
     for replica, time_s, *parts in rows:
-        records.append((replica, time_s, sum(parts), *parts, 1, 1, 1, 0, 0, 0))
+        records.append((replica, time_s, sum(parts), *parts, 1, 1, 1, 0, 0, 0, 1))
     return pd.DataFrame.from_records(records, columns=TIMELINE_COLUMNS)
 
 
@@ -32,7 +32,8 @@ def test_summary_definitions():
         "first_token_time_s": [1.5, 2.5, float("nan")], "finish_time_s": [3.5, 2.5, float("nan")],
         "prompt_tokens": [100, 50, 10_000], "output_tokens": [5, 1, 0],
         "total_output_tokens": [5, 1, 0], "num_samples": [1, 1, 1],
-        "prefix_hit_tokens": [32, 0, 0], "num_preemptions": [1, 0, 0]})
+        "prefix_hit_tokens": [32, 0, 0], "num_preemptions": [1, 0, 0],
+        "requested_output_tokens": [5, 1, 7]})
     requests["ttft_s"] = requests.first_token_time_s - requests.arrival_time_s
     requests["e2e_s"] = requests.finish_time_s - requests.arrival_time_s
     requests["tpot_s"] = [(2.5 - 0.5) / 4, float("nan"), float("nan")]

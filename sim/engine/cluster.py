@@ -11,6 +11,7 @@ class Cluster:
     def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int):
         self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
         self.replicas = []
+        self.on_progress = lambda now: None  # called once per request served or rejected
         self._sessions: dict[tuple[int, int], Session] = {}
         self._samples: dict[int, list[Sequence]] = {}  # request id -> finished samples so far
 
@@ -34,6 +35,7 @@ class Cluster:
         if request.prompt_len > self.max_model_len:
             # vLLM rejects such a prompt at once; the client goes on with its next turn.
             self.recorder.record_rejected(request, self.env.now)
+            self.on_progress(self.env.now)
             self._next_turn(session, turn + 1)
             return
         seq = Sequence(request, self.env.now, self.max_model_len)
@@ -49,6 +51,7 @@ class Cluster:
                 return
             del self._samples[seq.request.request_id]
         self.recorder.record_finished(samples)
+        self.on_progress(self.env.now)
         self._next_turn(self._sessions[seq.request.session_id, seq.request.chain], seq.request.turn + 1)
 
     def _next_turn(self, session: Session, turn: int) -> None:

@@ -95,7 +95,11 @@ class BlockAllocator:
             blocks.append(block)
         return PrefixHit(len(blocks) * self.block_size, tuple(blocks)) if blocks else NO_HIT
 
-    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT):
+    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
+                 watermark: float = 0.0):
+        """Blocks for num_new_tokens more tokens, or None. On admission (a sequence without
+        blocks), full_tokens > 0 requires room for that many tokens in all, and watermark keeps
+        that share of all blocks free (vLLM v1's allocate_slots admission gate)."""
         seq_id, size = seq.seq_id, self.block_size
         table = self.tables.get(seq_id)
         start = self.num_allocated_tokens[seq_id] if table is not None else hit.num_tokens
@@ -113,7 +117,11 @@ class BlockAllocator:
         num_have = len(table) if table is not None else len(hit.blocks)
         num_needed = -(-end // size) - num_have + copy_on_write
         revived = 0 if table is not None else sum(1 for b in hit.blocks if self.ref_count[b] == 0)
-        if num_needed > len(self.free_queue) - revived:
+        required = num_needed
+        if table is None and (full_tokens or watermark):
+            required = (max(num_needed, -(-full_tokens // size) - num_have)
+                        + int(watermark * self.num_blocks))
+        if required > len(self.free_queue) - revived:
             return None
         if table is None:
             table = self.tables[seq_id] = []

@@ -69,11 +69,17 @@ class ContiguousAllocator:
     def reservation_of(self, seq) -> int:
         return reservation(self.reserve, seq.final_len, self.max_model_len)
 
-    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT):
+    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
+                 watermark: float = 0.0):
+        """The reservation already covers the final length, so full_tokens always fits; the
+        watermark keeps that share of the slots free after placing it."""
         seq_id = seq.seq_id
         extent = self.extents.get(seq_id)
         if extent is None:
             wanted = self.reservation_of(seq)
+            free_slots = self.num_slots - self.total_extent_slots
+            if watermark and wanted + int(watermark * self.num_slots) > free_slots:
+                return None
             extent = self.space.place(wanted)
             if extent is None:
                 return None

@@ -89,7 +89,10 @@ class RadixAllocator:
         return PrefixHit(matched, (node,))
 
     # -- act -----------------------------------------------------------------------------------
-    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT):
+    def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
+                 watermark: float = 0.0):
+        """Slots for num_new_tokens more tokens, or None; full_tokens and watermark gate an
+        admission as in the block allocator."""
         seq_id, page = seq.seq_id, self.page_size
         first = seq_id not in self.node_of
         node = (hit.blocks[0] if hit.blocks else self.root) if first else self.node_of[seq_id]
@@ -97,11 +100,15 @@ class RadixAllocator:
         start = cached if first else self.num_allocated_tokens[seq_id]
         end = start + num_new_tokens
         need = (-(-end // page) - (-(-start // page))) * page
-        if need > self.free_slots:
+        required = need
+        if first and (full_tokens or watermark):
+            required = ((-(-max(end, full_tokens) // page) - (-(-start // page))) * page
+                        + int(watermark * self.capacity))
+        if required > self.free_slots:
             evictable = self.tree_slots - self.locked_slots
             if first:
                 evictable -= self._unlocked_path_slots(node)
-            if need > self.free_slots + evictable:
+            if required > self.free_slots + evictable:
                 return None
         if first:
             self.node_of[seq_id], self.num_cached_tokens[seq_id] = node, cached

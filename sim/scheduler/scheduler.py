@@ -6,7 +6,12 @@ newest running sequence, possibly itself. With preemption_mode=recompute (vLLM v
 freed and it goes to the front of the waiting queue; with swap (vLLM v0) its KV moves to a CPU
 pool over the host link, if that pool has room, and comes back before any waiting request is
 admitted. Waiting sequences are admitted in FCFS order only in steps without a preemption; the
-head of the queue blocks the rest when it does not fit. With chunked prefill a prompt is split
+head of the queue blocks the rest when it does not fit. Admission follows vLLM v1 as of 0.11+
+(SchedulerConfig.scheduler_reserve_full_isl, default true): a waiting request is admitted only
+when its whole current sequence fits (after its prefix hit), even if only a first chunk is
+scheduled; `watermark` keeps that share of the pool free when admitting while others run
+(vLLM v1: applied to waiting and preempted requests when any request runs; default 0).
+With reserve_full_isl=false, a first chunk that fits admits (vLLM v1 before the option). With chunked prefill a prompt is split
 across steps to fit the budget; without it a prompt is scheduled whole. A request with n > 1
 forks its other samples once its prompt is computed (they share the prompt's KV).
 """
@@ -30,6 +35,8 @@ class SchedulerSpec:
     max_model_len: int
     preemption_mode: str = "recompute"
     swap_space_tokens: int = 0
+    reserve_full_isl: bool = True
+    watermark: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,9 @@ class Scheduler:
         self.swap_used_tokens = 0
         self._swap_tokens = 0  # moved over the host link in the step being planned
         self._next_sibling_id = FIRST_SIBLING_ID
+        self.num_sampled = 0  # output tokens sampled by the last commit (forked samples included)
+        # Inter-token gaps as (time_s, gap_s, count): the decoders of one step mostly share a gap.
+        self.itl_samples: list[tuple[float, float, int]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,7 +129,11 @@ class Scheduler:
                 if not self.spec.enable_chunked_prefill:
                     break
                 num_new = budget
-            if allocator.allocate(seq, num_new, hit) is None:
+            # vLLM v1 admission: the whole current sequence must fit, not only this chunk
+            # (scheduler_reserve_full_isl), and the watermark applies once something runs.
+            full_tokens = seq.num_tokens if self.spec.reserve_full_isl else 0
+            watermark = self.spec.watermark if running else 0.0
+            if allocator.allocate(seq, num_new, hit, full_tokens, watermark) is None:
                 break
             waiting.popleft()
             seq.num_computed = hit.num_tokens
@@ -148,16 +162,24 @@ class Scheduler:
         """Apply a step that ended at `now`; return the sequences that finished."""
         finished, forked = [], []
         max_model_len = self.spec.max_model_len
+        gaps: dict[float, int] = {}
+        num_sampled = 0
         for seq, num_new in plan.scheduled:
             seq.num_computed += num_new
             if seq.num_computed < seq.num_tokens:
                 continue
             seq.num_tokens += 1
             seq.num_output += 1
+            num_sampled += 1
+            if seq.num_output > 1:
+                gap = now - seq.last_token_time_s
+                gaps[gap] = gaps.get(gap, 0) + 1
+            seq.last_token_time_s = now
             if seq.num_output == 1:
                 seq.first_token_time_s = now
                 if seq.request.n > 1 and seq.sample_index == 0:
                     forked.extend(self._fork_samples(seq, now))
+                    num_sampled += seq.request.n - 1  # each sample drew its own first token
             if seq.num_output >= seq.request.output_len or seq.num_tokens >= max_model_len:
                 seq.finish_time_s = now
                 self.allocator.free(seq)
@@ -167,6 +189,8 @@ class Scheduler:
             self.running = [s for s in self.running if id(s) not in done]
         self.running.extend(s for s in forked if s.finish_time_s != s.finish_time_s)
         finished.extend(s for s in forked if s.finish_time_s == s.finish_time_s)
+        self.num_sampled = num_sampled
+        self.itl_samples.extend((now, gap, count) for gap, count in gaps.items())
         return finished
 
     def _fork_samples(self, parent: Sequence, now: float) -> list[Sequence]:

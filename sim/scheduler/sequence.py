@@ -15,7 +15,7 @@ class Sequence:
     A request with n > 1 parallel samples forks n - 1 sibling sequences when its prompt is done.
     """
     __slots__ = ("seq_id", "request", "arrival_time_s", "num_tokens", "num_computed",
-                 "num_output", "final_len", "first_token_time_s", "finish_time_s",
+                 "num_output", "final_len", "first_token_time_s", "last_token_time_s", "finish_time_s",
                  "num_preemptions", "prefix_hit_tokens", "admitted", "replica", "sample_index",
                  "num_swapped_tokens")
 
@@ -29,6 +29,7 @@ class Sequence:
         self.num_output = 0
         self.final_len = min(request.prompt_len + request.output_len, max_model_len)
         self.first_token_time_s = math.nan
+        self.last_token_time_s = math.nan
         self.finish_time_s = math.nan
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0

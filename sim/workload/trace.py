@@ -49,6 +49,7 @@ class TraceSpec:
     share_preamble: bool = False
     arrival_process: str = "poisson"
     arrival_rate_rps: float = 1.0
+    on_overlength: str = "reject"  # applied by the run (sim.workload.overlength), not the reader
 
     def __post_init__(self):
         checks = [

@@ -1,0 +1,136 @@
+"""Output folders exist only for runs that succeed.
+
+A single run writes into a hidden sibling of its run directory (`.NAME.partial-PID`, on the same
+file system) and is renamed into place when the task returns; a failure removes it, and every
+parent folder this run created, so nothing is left behind, not even Hydra's `.hydra/`. In a
+sweep each failing job removes its own folder, and a sweep in which no job succeeded removes the
+sweep folder. The run and sweep folders are resolved once, before Hydra starts, and handed to
+Hydra explicitly, so `${now:...}` cannot resolve twice to different names.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+RUN_DIR_ENV = "KVSIM_RUN_DIR"        # the final folder of the single run in progress
+SWEEP_JOBS_ENV = "KVSIM_SWEEP_JOBS"  # how many jobs the sweep in progress has
+NO_OUTPUT_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",
+                   "--shell-completion", "-sc", "--version"}
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The topmost ancestor of path (path included) that does not exist yet."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def _quoted(path: Path) -> str:
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class Staging:
+    def __init__(self, overrides=(), final: Path | None = None, staging: Path | None = None,
+                 sweep_dir: Path | None = None, created_root: Path | None = None):
+        self.overrides = list(overrides)
+        self.final, self.staging, self.sweep_dir = final, staging, sweep_dir
+        self.created_root = created_root
+
+    @classmethod
+    def plan(cls, composed, argv: list[str], overrides: list[str]) -> "Staging":
+        hydra_cfg = composed.get("hydra") if composed is not None else None
+        if hydra_cfg is None or hydra_cfg.output_subdir is None or NO_OUTPUT_FLAGS & set(argv):
+            return cls()  # a verb that writes where it is told (calibration), or prints only
+        if "-m" in argv or "--multirun" in argv:
+            from sim.cli import num_sweep_jobs
+            sweep = Path(hydra_cfg.sweep.dir).absolute()
+            os.environ[SWEEP_JOBS_ENV] = str(num_sweep_jobs(overrides))
+            return cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep,
+                       created_root=_first_missing(sweep))
+        final = Path(hydra_cfg.run.dir).absolute()
+        staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+        os.environ[RUN_DIR_ENV] = str(final)
+        return cls([f"hydra.run.dir={_quoted(staging)}"], final=final, staging=staging,
+                   created_root=_first_missing(final))
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        os.environ.pop(RUN_DIR_ENV, None)
+        os.environ.pop(SWEEP_JOBS_ENV, None)
+        if exc_type is None or (exc_type is SystemExit and exc.code in (0, None)):
+            self._commit()
+        else:
+            self._discard()
+        return False
+
+    def _commit(self) -> None:
+        if self.staging is None or not self.staging.is_dir():
+            return
+        if self.final.is_dir() and not any(self.final.iterdir()):
+            self.final.rmdir()
+        if not self.final.exists():
+            os.replace(self.staging, self.final)
+            return
+        for entry in self.staging.iterdir():  # an existing folder the user named: add to it
+            target = self.final / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        self.staging.rmdir()
+
+    def _discard(self) -> None:
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self._remove_empty_parents(self.staging.parent)
+        elif self.sweep_dir is not None and self.sweep_dir.is_dir():
+            if not any(p.is_dir() and not p.name.startswith(".") for p in self.sweep_dir.iterdir()):
+                if self.created_root is not None:  # no job succeeded: the sweep folder goes too
+                    shutil.rmtree(self.sweep_dir, ignore_errors=True)
+                    self._remove_empty_parents(self.sweep_dir.parent)
+
+    def _remove_empty_parents(self, folder: Path) -> None:
+        """Remove empty folders from `folder` up to the topmost one this run created."""
+        if self.created_root is None:
+            return
+        while folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            if folder == self.created_root:
+                break
+            folder = folder.parent
+
+
+def discard_failed_job() -> None:
+    """In a sweep, a failing job removes its own folder (single runs are staged instead)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.output_subdir is None:
+        return
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    if job_dir.parent == Path(hydra_cfg.sweep.dir).absolute():
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def final_dir(out_dir: Path) -> Path:
+    """Where the run's files will be once it succeeds."""
+    final = os.environ.get(RUN_DIR_ENV)
+    return Path(final) if final and out_dir.name.startswith(f".{Path(final).name}.partial-") else out_dir
+
+
+def sweep_progress(out_dir: Path) -> str | None:
+    """'sweep: K of N jobs done' for a sweep job, from the job folders written so far."""
+    total = os.environ.get(SWEEP_JOBS_ENV)
+    if not total:
+        return None
+    done = sum(1 for p in out_dir.parent.iterdir()
+               if (p / "comparison.csv").is_file() or (p / "sharing.csv").is_file())
+    return f"sweep: {done} of {total} jobs done"
