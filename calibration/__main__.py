@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from calibration.config import register_schemas
-from sim.cli import dispatch
+from sim.cli import Command, dispatch
 
 USAGE = "usage: python -m calibration {run|fit|import-vidur|predict|show} [key=value ...]"
 
@@ -21,15 +21,25 @@ def _run_task():
 
 def _commands():
     from calibration import commands
-    return {"run": ("calibration_run", _run_task),
-            "fit": ("calibration_fit", lambda: commands.fit_task),
-            "import-vidur": ("calibration_import_vidur", lambda: commands.import_vidur_task),
-            "predict": ("calibration_predict", lambda: commands.predict_task),
-            "show": ("calibration_show", lambda: commands.show_task)}
+    return {"run": Command("calibration_run", _run_task,
+                           "On a GPU: benchmark the Triton kernels, fit, write a profile (needs torch, triton).",
+                           {"grid": "grid=NAME"}),
+            "fit": Command("calibration_fit", lambda: commands.fit_task,
+                           "Refit a profile from a raw CSV: raw=FILE name=GPU [base=PROFILE].", {}),
+            "import-vidur": Command("calibration_import_vidur", lambda: commands.import_vidur_task,
+                                    "Fit Vidur's public operator timings: path=DIR name=GPU [base=PROFILE].",
+                                    {}),
+            "predict": Command("calibration_predict", lambda: commands.predict_task,
+                               "Predicted seconds per shape row: gpu=NAME shapes=FILE out=FILE.",
+                               {"gpu": "gpu=NAME"}),
+            "show": Command("calibration_show", lambda: commands.show_task,
+                            "A profile's parameters, provenance and fit quality: gpu=NAME.",
+                            {"gpu": "gpu=NAME"})}
 
 
 def main(argv: list[str] | None = None) -> None:
-    dispatch(sys.argv[1:] if argv is None else argv, _commands(), USAGE, register=register_schemas)
+    dispatch(sys.argv[1:] if argv is None else argv, _commands(), USAGE, register=register_schemas,
+             program="python -m calibration")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ launch overhead, and all-reduce timings when several GPUs are visible.
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -17,21 +16,10 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from calibration.gpus import profile_name
 from sim.errors import KvsimError
 
 QUANTILES = (0.2, 0.5, 0.8)
-KNOWN_GPUS = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100-SXM4-40GB", "a100_40g"),
-              ("A100-SXM4-80GB", "a100_80g"), ("A100 80GB", "a100_80g"), ("A100", "a100_40g"),
-              ("L40S", "l40s"), ("MI300X", "mi300x"))
-
-
-def profile_name(gpu_name: str) -> str:
-    for marker, name in KNOWN_GPUS:
-        if marker in gpu_name:
-            return name
-    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
-
-
 def expand(grid: dict) -> list[tuple[str, dict]]:
     """(op, shape) for every point of every op's cartesian product, in config order."""
     points = []
@@ -204,8 +192,8 @@ def run_task(cfg: DictConfig) -> None:
     import pandas as pd
 
     from calibration.commands import _fit_and_write
-    from calibration.raw import write_raw
 
+    require_torch_and_triton()
     context = gpu_context(cfg.device)
     name = cfg.name or ("dry_run" if cfg.device == "cpu" else profile_name(context["gpu"]))
     points = expand(OmegaConf.to_container(cfg.grid, resolve=True))
@@ -215,11 +203,20 @@ def run_task(cfg: DictConfig) -> None:
                      rep_ms=cfg.rep_ms)
     if cfg.device == "cuda":
         rows += allreduce_rows([1 << 20, 1 << 24, 1 << 28], context)
-    folder = Path(cfg.out_dir) / name
-    write_raw(rows, folder / "raw.csv")
     fit_cfg = OmegaConf.create({"name": name, "base": _base_for(name), "out_dir": cfg.out_dir})
     _fit_and_write(pd.DataFrame(rows), fit_cfg, context["source"],
-                   origin=f"python -m calibration run on {context['gpu']}")
+                   origin=f"python -m calibration run on {context['gpu']}", raw_rows=rows)
+
+
+def require_torch_and_triton() -> None:
+    """`run` times Triton kernels: without torch or triton, one line saying what to install."""
+    try:
+        import torch  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise KvsimError(f"python -m calibration run needs torch and triton ({exc.name} is not "
+                         f"installed), command line, install them first: pip install torch==2.13.0 "
+                         f"triton==3.7.1 (fit, import-vidur, predict and show need neither)") from None
 
 
 def _driver_version() -> str:

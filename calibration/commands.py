@@ -3,6 +3,8 @@ show import neither torch nor triton; run imports the benchmarks lazily)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from datetime import date
 from importlib import resources
 from pathlib import Path
@@ -12,6 +14,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from calibration.fit import fit_profile, operator_params, predict, prepare
+from calibration.gpus import base_profile
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
@@ -33,29 +36,47 @@ def profile_json(name: str) -> dict:
 def _datasheet(name: str) -> dict:
     packaged = resources.files("calibration") / "profiles" / f"{name}.json"
     if not packaged.is_file():
-        raise UnknownNameError("base GPU profile", name, available_profiles(), "key base (or name)")
+        raise UnknownNameError("base GPU profile", name, _packaged_profiles(), "key base")
     return json.loads(packaged.read_text())
 
 
-def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: str) -> Path:
-    base = _datasheet(cfg.base or cfg.name)
+def _packaged_profiles() -> list[str]:
+    folder = resources.files("calibration") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: str,
+                   raw_rows: list[dict] | None = None) -> Path:
+    """Fit, then write raw.csv (if given), profile.json and the report: all of them or none."""
+    gpu_names = sorted(str(g) for g in frame["gpu"].dropna().unique()) if "gpu" in frame else []
+    base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, _packaged_profiles()))
     versions = {k: str(frame[k].dropna().iloc[0]) for k in ("driver", "torch", "triton")
                 if k in frame and frame[k].notna().any()}
     profile, report = fit_profile(frame, base, name=cfg.name, source=source, origin=origin,
                                   date=date.today().isoformat(), versions=versions)
+    if gpu_names:
+        profile["gpu_name"] = ", ".join(gpu_names)  # what the data says, not the base's name
     folder = Path(cfg.out_dir) / cfg.name
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "profile.json.tmp"
-    tmp.write_text(json.dumps(profile, indent=1) + "\n")
-    tmp.replace(folder / "profile.json")
-    write_report(frame, profile, base, report, folder)
+    staging = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        if raw_rows is not None:
+            write_raw(raw_rows, staging / "raw.csv")
+        (staging / "profile.json").write_text(json.dumps(profile, indent=1) + "\n")
+        write_report(frame, profile, base, report, staging)
+        folder.mkdir(parents=True, exist_ok=True)
+        for written in staging.iterdir():
+            os.replace(written, folder / written.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     for op, numbers in report.items():
         held = numbers.get("held_out_classes", {})
         extra = numbers.get("extrapolation", {})
         print(f"{op}: e_c={numbers['fit']['compute_efficiency']:.3f} e_m={numbers['fit']['memory_efficiency']:.3f} "
               f"t0={numbers['fit']['t0_s'] * 1e6:.1f}us  held-out MAPE {held.get('mape', float('nan')):.1%}  "
               f"extrapolation MAPE {extra.get('mape', float('nan')):.1%}")
-    print(f"wrote {folder / 'profile.json'} and {folder / 'fit_report.md'}")
+    print(f"wrote {folder / 'profile.json'} and {folder / 'fit_report.md'} "
+          f"(GPU {profile['gpu_name']}, datasheet base {base['name']})")
     return folder
 
 
@@ -71,9 +92,7 @@ def import_vidur_task(cfg: DictConfig) -> None:
     from calibration.vidur import import_directory
 
     rows = import_directory(Path(cfg.path))
-    folder = Path(cfg.out_dir) / cfg.name
-    write_raw(rows, folder / "raw.csv")
-    _fit_and_write(pd.DataFrame(rows), cfg, "imported",
+    _fit_and_write(pd.DataFrame(rows), cfg, "imported", raw_rows=rows,
                    origin="Vidur (microsoft/vidur, MIT; Agrawal et al., MLSys 2024) data/profiling/compute")
 
 

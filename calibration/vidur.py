@@ -18,7 +18,17 @@ from calibration.raw import RawError
 GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 NEEDED = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "use_gated_mlp", "num_tokens",
           "num_tensor_parallel_workers")
-GPU_NAME = "NVIDIA A100-SXM4-80GB"
+
+
+def gpu_of(path: Path) -> str:
+    """The GPU a Vidur file was measured on, from its name (`<gpu>__<model>.csv`) or its folder
+    (`data/profiling/compute/<gpu>/<model>/mlp.csv`); 'unknown' when neither says."""
+    if "__" in path.stem:
+        return path.stem.split("__")[0]
+    parts = path.parts
+    if "compute" in parts and parts.index("compute") + 1 < len(parts) - 1:
+        return parts[parts.index("compute") + 1]
+    return "unknown"
 
 
 def _shapes(row) -> dict[str, tuple[int, int]]:
@@ -44,6 +54,7 @@ def import_file(path: Path) -> list[dict]:
         raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, "
                        f"give Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv")
     model = path.stem.split("__")[-1]
+    gpu = gpu_of(path)
     rows = []
     for index, row in enumerate(frame.itertuples(index=False)):
         shapes = _shapes(row)
@@ -55,7 +66,7 @@ def import_file(path: Path) -> list[dict]:
                          "tp": int(row.num_tensor_parallel_workers), "dtype": "fp16",
                          "time_s": stat["median"], "time_s_min": stat["min"],
                          "time_s_max": stat["max"], "time_s_std": stat["std"],
-                         "source": f"vidur:{model}:{gemm}", "gpu": GPU_NAME})
+                         "source": f"vidur:{model}:{gemm}", "gpu": gpu})
     return rows
 
 

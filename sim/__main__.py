@@ -7,14 +7,27 @@ from __future__ import annotations
 
 import sys
 
-from sim.cli import dispatch
+from sim.cli import Command, dispatch
 
 
 def _commands():
     from sim import commands
-    return {"run": ("run", lambda: commands.run_task), "kv": ("kv", lambda: commands.kv_task),
-            "trace-stats": ("trace_stats", lambda: commands.trace_stats_task),
-            "report": ("report", lambda: commands.report_task)}
+    groups = {"scenario": "scenario=NAME", "model": "model=NAME", "gpu": "gpu=NAME, a profile",
+              "allocator": "allocators=[NAME,...], one run each", "scheduler": "scheduler=NAME",
+              "router": "router=NAME", "experiment": "+experiment=NAME"}
+    return {
+        "run": Command("run", lambda: commands.run_task,
+                       "Simulate a scenario once per allocator; print the comparison, write results and plots.",
+                       groups),
+        "kv": Command("kv", lambda: commands.kv_task,
+                      "KV bytes per token and the cache size of a model for tokens x batch.",
+                      {"model": "model=NAME"}),
+        "trace-stats": Command("trace_stats", lambda: commands.trace_stats_task,
+                               "What a trace (trace.path=FILE) or a scenario asks of a KV cache.",
+                               {"scenario": "scenario=NAME"}),
+        "report": Command("report", lambda: commands.report_task,
+                          "Redraw a run's (or a sweep's) plots and summary CSVs: run_dir=DIR.", {}),
+    }
 
 
 USAGE = "usage: python -m sim {run|kv|trace-stats|report} [key=value ...] [-m] [--cfg job]"

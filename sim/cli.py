@@ -7,17 +7,18 @@ that an unknown group option, unknown key, malformed override or wrong type beco
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import hydra
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from sim.config import register_schemas
 from sim.errors import KvsimError
+from sim.help import command_help, main_help
 from sim.staging import Staging, discard_failed_job
 
 CONFIG_MODULE = "scenarios"
@@ -151,6 +152,10 @@ def guarded(task):
         except KvsimError as exc:
             discard_failed_job()
             fail(str(exc))
+        except MissingMandatoryValue as exc:
+            discard_failed_job()
+            fail(f"{exc.full_key} has no value, command line, give {exc.full_key}=<value> "
+                 f"(--help lists the keys)")
         except BaseException:
             discard_failed_job()
             raise
@@ -159,17 +164,27 @@ def guarded(task):
     return wrapper
 
 
-def dispatch(argv: list[str], commands: dict[str, tuple[str, Callable]], usage: str,
-             register=register_schemas) -> None:
-    """Run `<command> [key=value ...]`: commands maps a word to (primary config, task loader)."""
+class Command(NamedTuple):
+    config_name: str            # its primary config in scenarios/
+    load_task: Callable         # returns the Hydra task function (imported late)
+    description: str            # one line for --help
+    groups: dict                # config group -> how it is chosen, listed by --help
+
+
+def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
+             register=register_schemas, program: str = "python -m sim") -> None:
+    """Run `<command> [key=value ...]`."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(main_help(usage, {word: c.description for word, c in commands.items()}, program))
         raise SystemExit(0 if argv else 2)
     command = argv[0]
     if command not in commands:
         fail(f"unknown command '{command}', command line, use one of: {', '.join(commands)}")
-    config_name, load_task = commands[command]
+    config_name, load_task, description, groups = commands[command]
     rest = argv[1:]
+    if "--help" in rest or "-h" in rest:
+        print(command_help(program, command, config_name, description, groups))
+        raise SystemExit(0)
     overrides = split_flags(rest)
     composed = validate(config_name, overrides, register=register)
     staging = Staging.plan(composed, rest, overrides)

@@ -5,6 +5,7 @@ The only module that knows every other one.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -111,10 +112,42 @@ def prepare(cfg: DictConfig) -> Setup:
             raise UnknownNameError("allocator", name, available_allocators(), "key allocator_options")
         if name in configs:  # options for allocators not run this time are kept for the next
             configs[name] = OmegaConf.merge(configs[name], values)
+    state_bytes = {}
     for name, allocator_cfg in configs.items():  # fail on a bad allocator config up front
-        _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
-                     max_model_len=spec.max_model_len)
+        allocator = _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
+                                 max_model_len=spec.max_model_len)
+        state_bytes[name] = allocator.state_bytes()
+    largest = max(state_bytes, key=state_bytes.get)  # allocators run one after another
+    check_host_memory(largest, state_bytes[largest], spec.num_replicas)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+REPLICA_OVERHEAD_BYTES = 64 * 1024  # scheduler, SimPy process, recorder rows of an idle replica
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo, else physical memory."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(allocator: str, state_bytes: int, num_replicas: int) -> None:
+    """Refuse a cluster whose allocator state alone would not fit in this machine's memory."""
+    per_replica = state_bytes + REPLICA_OVERHEAD_BYTES
+    budget = 0.8 * available_memory_bytes()
+    if per_replica * num_replicas > budget:
+        fits = max(1, int(budget // per_replica))
+        raise ConfigError(
+            f"cluster.num_replicas={num_replicas} with the {allocator} allocator needs about "
+            f"{per_replica * num_replicas / 2**30:,.1f} GiB of host memory for simulator state "
+            f"({per_replica / 2**20:.1f} MiB per replica), and {budget / 2**30:.1f} GiB is available, "
+            f"key cluster.num_replicas, use at most {fits} replicas (or a larger block_size)")
 
 
 MAX_EXTENDED_MODEL_LEN = 1_048_576

@@ -20,7 +20,7 @@ def test_allocators_and_scheduler_do_not_import_simpy():
 def test_calibration_fit_import_predict_and_show_import_neither_torch_nor_triton():
     code = ("import sys, calibration.__main__, calibration.commands, calibration.fit, calibration.vidur, "
             "calibration.report; from calibration.__main__ import _commands; "
-            "[load() for verb, (_, load) in _commands().items() if verb != 'run']; "
+            "[c.load_task() for verb, c in _commands().items() if verb != 'run']; "
             "print([m for m in ('torch', 'triton') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

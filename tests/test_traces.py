@@ -5,7 +5,8 @@ import logging
 import pytest
 
 from sim.errors import KvsimError
-from sim.workload.records import TraceError
+from sim.workload import agentic
+from sim.workload.records import TraceError, TraceRequest
 from sim.workload.trace import TraceSpec, build_workload, read_requests
 
 
@@ -193,10 +194,23 @@ def test_sort_accepts_out_of_order_timestamps(tmp_path):
 def test_directories_are_only_for_agentic_sessions(tmp_path):
     with pytest.raises(TraceError, match="a directory"):
         read_requests(TraceSpec(path=str(tmp_path), format="mooncake"))
-    with pytest.raises(TraceError, match="a directory"):
+    with pytest.raises(TraceError, match="an empty directory"):
         read_requests(TraceSpec(path=str(tmp_path)))
+    with pytest.raises(TraceError, match="a glob that matches no file"):
+        read_requests(TraceSpec(path=str(tmp_path / "*.json")))
     with pytest.raises(TraceError, match="no session files"):
         read_requests(TraceSpec(path=str(tmp_path), format="agentic"))
+    mooncake_file(tmp_path, [{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}])
+    with pytest.raises(TraceError, match="is a mooncake trace, and only agentic sessions come as many"):
+        read_requests(TraceSpec(path=str(tmp_path)))
+
+
+def test_auto_detects_agentic_sessions_in_a_directory_and_a_glob(tmp_path):
+    sessions = [[TraceRequest(0.0, 128, 4, (1, 2), session="x")]]
+    agentic.write(sessions, tmp_path / "dir")
+    for path in (tmp_path / "dir", tmp_path / "dir" / "trace_*.json"):
+        fmt, requests, _, _ = read_requests(TraceSpec(path=str(path)))
+        assert fmt.name == "agentic" and [r.input_len for r in requests] == [128]
 
 
 def test_unknown_format_is_a_config_error():

@@ -3,9 +3,13 @@
 Every allocator answers the same ask-then-act calls:
 
     lookup_prefix(seq)                 -> PrefixHit (0 tokens when nothing is cached)
-    allocate(seq, num_new_tokens, hit) -> tuple of new block ids / extents, or None if it does not fit
+    allocate(seq, num_new_tokens, hit, full_tokens, watermark)
+                                       -> tuple of new block ids / extents, or None if it does not fit
+                                          (full_tokens and watermark gate an admission, as vLLM v1)
     free(seq)
     usage(first_waiting)               -> KVUsage, the memory breakdown of DESIGN.md
+    state_bytes()                      -> host memory the allocator's state may grow to (an estimate
+                                          used to refuse clusters too large for the machine)
 
 `seq` is any object with `seq_id`, `request` (for prefix keys), `num_tokens` (tokens known so
 far) and `final_len` (L = min(prompt + output, max_model_len)).

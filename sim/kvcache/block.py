@@ -80,6 +80,11 @@ class BlockAllocator:
     def capacity(self) -> int:
         return self.num_blocks * self.block_size
 
+    def state_bytes(self) -> int:
+        """Per-block lists and queue entries (about 90 B measured with tracemalloc); caching adds
+        statistics, keys and the key map (up to about 300 B at start, 500 B once keyed)."""
+        return self.num_blocks * (500 if self.enable_caching or not self._plain else 100)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)

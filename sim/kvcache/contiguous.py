@@ -63,6 +63,11 @@ class ContiguousAllocator:
     def capacity(self) -> int:
         return self.num_slots
 
+    def state_bytes(self) -> int:
+        """A few dict entries per live extent and per hole; live extents are bounded by the
+        scheduler's max_num_seqs (a few hundred), counted here as 1,024 at most."""
+        return 4096 + min(self.num_slots // 16, 1024) * 200
+
     def lookup_prefix(self, seq) -> PrefixHit:
         return NO_HIT
 

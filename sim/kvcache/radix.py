@@ -70,6 +70,10 @@ class RadixAllocator:
     def capacity(self) -> int:
         return self.num_pages * self.page_size
 
+    def state_bytes(self) -> int:
+        """Tree nodes (about 300 B each): a node per 16 pages at most in practice."""
+        return 4096 + self.num_pages // 16 * 300
+
     @property
     def free_slots(self) -> int:
         return self.capacity - self.tree_slots - self.private_slots

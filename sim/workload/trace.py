@@ -12,6 +12,7 @@ cover full 64-token blocks only, and the remainder of the prompt is unique to it
 """
 from __future__ import annotations
 
+import glob
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -95,11 +96,25 @@ def resolve_path(path_text: str) -> str:
     return path_text
 
 
+def _is_glob(path_text: str) -> bool:
+    return any(ch in path_text for ch in "*?[")
+
+
 def detect_format(path_text: str) -> str:
+    """The format of a file, or of the first file of a directory or glob (only agentic sessions
+    come as many files, so anything else found there is an error naming it)."""
     path = Path(path_text)
-    if path.is_dir():
-        raise TraceError("a directory", path_text, None,
-                         "give a file, or trace.format=agentic for a directory of sessions")
+    if path.is_dir() or _is_glob(path_text):
+        files = sorted(p for p in (path.iterdir() if path.is_dir() else map(Path, glob.glob(path_text)))
+                       if p.is_file())
+        if not files:
+            what = "an empty directory" if path.is_dir() else "a glob that matches no file"
+            raise TraceError(what, path_text, None, "check trace.path")
+        found = detect_format(str(files[0]))
+        if found != "agentic":
+            raise TraceError(f"{files[0].name} is a {found} trace, and only agentic sessions come "
+                             f"as many files", path_text, None, "give trace.path one file")
+        return found
     if not path.is_file():
         raise TraceError("no such file", path_text, None, "check trace.path")
     with open(path, encoding="utf-8", errors="replace") as handle:

@@ -8,7 +8,8 @@ import pytest
 
 from tests.calibration.conftest import DEVICE  # sets TRITON_INTERPRET first
 
-from calibration.bench import benchmark, expand, profile_name
+from calibration.bench import benchmark, expand
+from calibration.gpus import profile_name
 from calibration.fit import fit_profile
 from calibration.raw import COLUMNS, read_raw, write_raw
 from tests.conftest import compose_config
