@@ -5,9 +5,11 @@ malformed override), the overrides are validated, then that subcommand's Hydra a
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from sim.cli import Command, dispatch
+from sim.commands import TRACE_SELECTED_ENV
 
 
 def _commands():
@@ -41,7 +43,7 @@ def select_trace_scenario(argv: list[str]) -> list[str]:
                      for a in argv[1:])
     chooses = any(a.startswith(("scenario=", "+experiment=", "experiment=")) for a in argv[1:])
     if sets_trace and not chooses:
-        print("note: trace.* keys given without a scenario: running scenario=trace", file=sys.stderr)
+        os.environ[TRACE_SELECTED_ENV] = "1"  # said by the run once it has started
         return [*argv, "scenario=trace"]
     return argv
 

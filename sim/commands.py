@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from sim.staging import final_dir, sweep_progress
 from sim.models import model_from_dict, resolve_kv_dtype
 
 GiB = 2**30
+TRACE_SELECTED_ENV = "KVSIM_TRACE_SCENARIO_SELECTED"  # set by `python -m sim` when it chose it
 
 
 def run_task(cfg: DictConfig) -> None:
@@ -29,6 +31,8 @@ def run_task(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown task '{cfg.task}', key task, use compare or sharing")
     check_keys_are_read(cfg, HydraConfig.get().runtime.choices)
     results = run_all(cfg, show_progress=cfg.progress and not cfg.quiet)
+    if os.environ.pop(TRACE_SELECTED_ENV, None):
+        print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     for line in unserved_warnings(results, cfg):
         print(line, file=sys.stderr)
     title = run_title(cfg, HydraConfig.get())

@@ -96,12 +96,11 @@ class Staging:
 
     def _remove_empty_parents(self, folder: Path) -> None:
         """Remove empty folders from `folder` up to the topmost one this run created."""
-        if self.created_root is None:
+        root = self.created_root
+        if root is None:
             return
-        while folder.is_dir() and not any(folder.iterdir()):
+        while (folder == root or root in folder.parents) and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
-            if folder == self.created_root:
-                break
             folder = folder.parent
 
 

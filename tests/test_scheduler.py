@@ -145,3 +145,46 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
     for now in (1.0, 2.0, 3.0, 4.0):
         step(scheduler, now)
     assert not scheduler.swapped and scheduler.waiting[0] is b and b.num_computed == 0
+
+
+def _admission(reserve_full_isl, watermark=0.0, num_blocks=8):
+    """A running 4-token request holds 1 of 8 four-token blocks; a 36-token prompt waits. With a
+    16-token budget its first chunk (3 blocks after the runner's decode token) fits the 7 free
+    blocks, its whole prompt (9 blocks) does not."""
+    alloc = BlockAllocator(num_blocks, 4)
+    spec = SchedulerSpec(8, 16, True, 64, reserve_full_isl=reserve_full_isl, watermark=watermark)
+    scheduler = Scheduler(spec, alloc)
+    runner = add(scheduler, 1, 3, 50)
+    step(scheduler, 1.0)
+    waiting = add(scheduler, 2, 36, 4)
+    plan, _ = step(scheduler, 2.0)
+    return scheduler, plan, runner, waiting
+
+
+def test_full_sequence_admission_waits_where_first_chunk_admission_admits():
+    # vLLM v1 (scheduler_reserve_full_isl=True): allocate_slots(full_sequence_must_fit=True)
+    # needs blocks for the whole current sequence: 9 > 7 free, so the request waits.
+    scheduler, plan, runner, waiting = _admission(reserve_full_isl=True)
+    assert [s.seq_id for s, _ in plan.scheduled] == [1]
+    assert list(scheduler.waiting) == [waiting] and scheduler.running == [runner]
+    # Earlier vLLM v1 checked only the chunk: 15 budget tokens left -> 4 blocks, which fit.
+    scheduler, plan, runner, waiting = _admission(reserve_full_isl=False)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 1), (2, 15)]
+    assert scheduler.running == [runner, waiting]
+
+
+def test_full_sequence_admission_admits_once_the_whole_prompt_fits():
+    scheduler, plan, _, waiting = _admission(reserve_full_isl=True, num_blocks=10)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 1), (2, 15)]   # 9 of 9 free blocks
+
+
+def test_watermark_keeps_a_share_of_blocks_free_only_while_something_runs():
+    # 10 blocks, watermark 0.2 -> 2 blocks kept: 9 needed + 2 > 9 free, so it waits ...
+    scheduler, plan, _, waiting = _admission(reserve_full_isl=True, watermark=0.2, num_blocks=10)
+    assert list(scheduler.waiting) == [waiting]
+    # ... but with nothing running (vLLM applies the watermark only then) it is admitted.
+    alloc = BlockAllocator(10, 4)
+    lone = Scheduler(SchedulerSpec(8, 16, True, 64, watermark=0.2), alloc)
+    seq = add(lone, 2, 36, 4)
+    plan, _ = step(lone, 1.0)
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(2, 16)] and lone.running == [seq]

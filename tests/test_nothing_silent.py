@@ -1,0 +1,177 @@
+"""Every way a request or a key is not served as asked is counted and said; failed runs leave
+nothing behind. Each case runs the command line in a subprocess, as a user would."""
+import json
+import re
+
+import pandas as pd
+import pytest
+
+from tests.test_cli import assert_one_line_error, sim
+
+LONG, MAX_LEN = 5000, 4096
+
+
+def trace_file(folder, rows):
+    path = folder / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) if isinstance(r, dict) else r for r in rows) + "\n")
+    return path
+
+
+def six_requests(folder):
+    """Six Mooncake requests a second apart; two prompts are longer than MAX_LEN."""
+    lengths = [1000, LONG, 800, LONG, 1200, 600]
+    return trace_file(folder, [{"timestamp": 1000 * i, "input_length": n, "output_length": 20,
+                                "hash_ids": list(range(10 * i, 10 * i + -(-n // 512)))}
+                               for i, n in enumerate(lengths)])
+
+
+def run(folder, *args):
+    return sim(folder, "run", "allocators=[paged]", "plots=false", "hydra.run.dir=out", *args)
+
+
+def metrics(folder, allocator="paged"):
+    return json.loads((folder / "out" / allocator / "metrics.json").read_text())
+
+
+def warnings(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+
+
+def test_overlength_prompts_are_rejected_counted_shown_and_announced(tmp_path):
+    out = run(tmp_path, "scenario=trace", f"trace.path={six_requests(tmp_path)}", f"max_model_len={MAX_LEN}")
+    assert out.returncode == 0, out.stderr
+    [line] = warnings(out)
+    assert line.startswith(f"warning: 2 of 6 requests (33.3%) rejected: prompt longer than "
+                           f"max_model_len={MAX_LEN}; fix: ")
+    assert "max_model_len=" in line and "trace.on_overlength=truncate" in line
+    m = metrics(tmp_path)
+    assert m["num_rejected"] == m["unserved"]["rejected_prompt_too_long"] == 2
+    assert m["num_finished"] == 4
+    header, row = out.stdout.splitlines()[1:3]
+    assert dict(zip(header.split(), row.split()))["rejected"] == "2"
+
+
+def test_truncate_keeps_the_last_tokens_and_says_so(tmp_path):
+    out = run(tmp_path, "scenario=trace", f"trace.path={six_requests(tmp_path)}",
+              f"max_model_len={MAX_LEN}", "trace.on_overlength=truncate")
+    assert out.returncode == 0, out.stderr
+    truncated, cut_short = warnings(out)   # a kept prompt of max_model_len - 1 leaves one output token
+    assert truncated.startswith(f"warning: 2 of 6 requests (33.3%) truncated to their last {MAX_LEN - 1} prompt tokens")
+    assert cut_short.startswith("warning: 2 of 6 requests (33.3%) cut short")
+    m = metrics(tmp_path)
+    assert m["unserved"]["truncated_prompt"] == 2 and m["num_finished"] == 6 and m["num_rejected"] == 0
+    assert m["unserved"]["truncated_output"] == 2
+    requests = pd.read_parquet(tmp_path / "out" / "paged" / "requests.parquet")
+    assert sorted(requests.prompt_tokens) == [600, 800, 1000, 1200, MAX_LEN - 1, MAX_LEN - 1]
+
+
+def test_output_cut_at_max_model_len_is_counted(tmp_path):
+    path = trace_file(tmp_path, [{"timestamp": 0, "input_length": 4000, "output_length": 500,
+                                  "hash_ids": list(range(8))}])
+    out = run(tmp_path, "scenario=trace", f"trace.path={path}", f"max_model_len={MAX_LEN}")
+    assert out.returncode == 0, out.stderr
+    [line] = warnings(out)
+    assert line.startswith("warning: 1 of 1 requests (100.0%) cut short") and "raise max_model_len=" in line
+    m = metrics(tmp_path)
+    assert m["unserved"]["truncated_output"] == 1
+    requests = pd.read_parquet(tmp_path / "out" / "paged" / "requests.parquet")
+    assert requests.output_tokens.tolist() == [MAX_LEN - 4000] and requests.requested_output_tokens.tolist() == [500]
+
+
+def test_skipped_malformed_records_are_counted_and_announced(tmp_path):
+    path = trace_file(tmp_path, [{"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]},
+                                 '{"timestamp": 10, "input_length": "many"}',
+                                 {"timestamp": 20, "input_length": 100, "output_length": 5, "hash_ids": [2]}])
+    out = run(tmp_path, f"trace.path={path}", "trace.on_error=skip")
+    assert out.returncode == 0, out.stderr
+    assert "note: trace.* keys given without a scenario: ran scenario=trace" in out.stderr
+    assert [l for l in warnings(out) if "skipped" in l] == [
+        "warning: 1 of 3 requests (33.3%) skipped: malformed trace records (trace.on_error=skip); "
+        "fix: repair the trace, or trace.on_error=raise to stop at the first bad record"]
+    assert metrics(tmp_path)["unserved"]["skipped_malformed_records"] == 1
+
+
+def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
+    out = run(tmp_path, f"trace.path={six_requests(tmp_path)}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("scenario=trace model=llama31_70b")
+    m = metrics(tmp_path)
+    assert m["num_requests"] == 6 and m["num_rejected"] == 0 and m["max_model_len"] == 131072
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["scenario=chat", "trace.path=sample:mooncake"], ["trace.path is set but scenario=chat reads no trace",
+                                                        "add scenario=trace"]),
+    (["+allocator_options.radix.page_size=4"], ["allocator_options.radix.page_size is set but radix is not "
+                                               "in allocators=[paged]", "add radix to allocators"]),
+])
+def test_keys_nothing_reads_are_errors(tmp_path, args, fragments):
+    assert_one_line_error(run(tmp_path, *args), *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["trace.path=missing.jsonl"], "no such file"),
+    (["block_size=2000"], "block_size=2000 is out of range"),
+    (["+experiment=golden", "measure.warmup_s=1e9"], "leaves no span to measure"),
+    (["cluster.num_replicas=100000"], "use at most"),
+    (["scenario=trace", "trace.path=sample:mooncake", "trace.format=azure"], "sample"),
+])
+def test_a_failed_run_leaves_nothing_behind(tmp_path, args, fragment):
+    out = sim(tmp_path, "run", *args)
+    assert_one_line_error(out, fragment)
+    assert list(tmp_path.iterdir()) == []       # no results/, no .hydra/, no partial folder
+
+
+def test_a_failed_run_keeps_an_existing_folder_as_it_was(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    out = sim(tmp_path, "run", "block_size=2000", "hydra.run.dir=mine")
+    assert_one_line_error(out, "block_size=2000")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+def test_a_successful_run_keeps_its_resolved_config(tmp_path):
+    out = sim(tmp_path, "run", "+experiment=golden", "scenario.num_sessions=4", "allocators=[paged]",
+              "hydra.run.dir=out")
+    assert out.returncode == 0, out.stderr
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {".hydra", "comparison.csv", "paged"} <= names
+    assert (tmp_path / "out" / "paged" / "config.yaml").read_text().count("max_model_len: 2048") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]           # no staging folder left
+
+
+def test_a_sweep_keeps_only_the_jobs_that_succeeded(tmp_path):
+    out = sim(tmp_path, "run", "-m", "+experiment=golden", "scenario.num_sessions=4",
+              "allocators=[paged]", "block_size=16,2000", "hydra.sweep.dir=sweep")
+    assert out.returncode == 2 and "block_size=2000 is out of range" in out.stderr
+    assert "sweep: 1 of 2 jobs done" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
+    out = sim(tmp_path, "run", "-m", "+experiment=golden", "block_size=2000,3000", "hydra.sweep.dir=none")
+    assert out.returncode == 2 and not (tmp_path / "none").exists()
+
+
+def test_failed_calibration_imports_and_fits_leave_nothing_behind(tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "h100__x.csv").write_text("a,b\n1,2\n")
+    for args in (["import-vidur", "path=bad", "name=x"], ["fit", "raw=bad/h100__x.csv", "name=x"]):
+        out = __import__("subprocess").run([__import__("sys").executable, "-m", "calibration", *args],
+                                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert_one_line_error(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad"]
+
+
+def test_help_lists_commands_groups_choices_and_keys(tmp_path):
+    out = sim(tmp_path, "--help")
+    assert out.returncode == 0
+    for command in ("run", "kv", "trace-stats", "report"):
+        assert re.search(rf"^  {command} +\S", out.stdout, re.M), command
+    out = sim(tmp_path, "run", "--help")
+    assert out.returncode == 0
+    for choice in ("rag_agents", "llama31_70b", "h200", "mi300x", "radix", "least_loaded", "golden"):
+        assert re.search(rf"^  {choice} +\S", out.stdout, re.M), choice
+    for key in ("scheduler_reserve_full_isl=true", "watermark=0.0", "trace.on_overlength=reject",
+                "measure.warmup_s=0.0", "max_model_len=null", "progress=true"):
+        assert re.search(rf"^  {re.escape(key)} +\S", out.stdout, re.M), key
+    assert list(tmp_path.iterdir()) == []
