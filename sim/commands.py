@@ -33,6 +33,9 @@ def run_task(cfg: DictConfig) -> None:
     results = run_all(cfg, show_progress=cfg.progress and not cfg.quiet)
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
+    detected = results[0].metrics["workload"]["trace_format"]
+    if detected and cfg.trace.format == "auto":
+        print(f"note: trace.format=auto read {cfg.trace.path} as {detected}", file=sys.stderr)
     for line in unserved_warnings(results, cfg):
         print(line, file=sys.stderr)
     title = run_title(cfg, HydraConfig.get())

@@ -210,7 +210,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                         num_workload_requests=workload.num_requests, workload_counts=counts)
     metrics["max_model_len"] = spec.max_model_len
     metrics["workload"] = {"num_skipped_records": workload.num_skipped_records,
-                           "num_failed_requests": workload.num_failed_requests}
+                           "num_failed_requests": workload.num_failed_requests,
+                           "trace_format": workload.trace_format}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
 

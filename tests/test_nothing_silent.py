@@ -95,6 +95,7 @@ def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
     out = run(tmp_path, f"trace.path={six_requests(tmp_path)}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("scenario=trace model=llama31_70b")
+    assert "note: trace.format=auto read " in out.stderr and " as mooncake" in out.stderr
     m = metrics(tmp_path)
     assert m["num_requests"] == 6 and m["num_rejected"] == 0 and m["max_model_len"] == 131072
 

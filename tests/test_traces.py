@@ -126,9 +126,10 @@ def test_max_requests_window_scaling_target_rate_and_repeat(tmp_path):
 
 def test_auto_detection_says_what_it_chose(tmp_path, caplog):
     path = mooncake_file(tmp_path)
-    with caplog.at_level(logging.INFO, logger="sim.workload.trace"):
+    with caplog.at_level(logging.DEBUG, logger="sim.workload.trace"):
         fmt, *_ = read_requests(TraceSpec(path=path))
     assert fmt.name == "mooncake" and "auto -> mooncake" in caplog.text
+    assert build_workload(TraceSpec(path=path), 0).trace_format == "mooncake"   # the run says it
     for name, text in [("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,6\n"),
                        ("length_stats", "num_prefill_tokens,num_decode_tokens\n5,6\n")]:
         assert read_requests(TraceSpec(path=write(tmp_path / f"{name}.csv", text)))[0].name == name

@@ -96,3 +96,30 @@ def test_bulk_prefix_keys_match_single_keys(segments, block_size, output, first)
     end_block = (r.prompt_len + output) // block_size
     expected = [r.prefix_key((i + 1) * block_size) for i in range(first, end_block)]
     assert list(r.prefix_keys(block_size, first, end_block)) == expected
+
+
+def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity():
+    from sim.workload.overlength import truncate_overlength
+    from sim.workload.request import PrefixInterner, Session, Workload, make_request
+
+    interner = PrefixInterner()
+    shared = [(1, 3000), (2, 500)]                       # a 3000-token document, then a question
+    long = make_request(interner, 0, [*shared, (3, 1000)], 10, 90, session_id=0)
+    twin = make_request(interner, 1, [*shared, (4, 1000)], 10, 91, session_id=1)
+    short = make_request(interner, 2, [(1, 3000), (5, 40)], 10, 92, session_id=2)
+    other = make_request(interner, 3, [(1, 3000), (6, 40)], 10, 93, session_id=3)
+    workload = Workload(tuple(Session(i, 0.0, (r,)) for i, r in enumerate((long, twin, short, other))))
+    cut, num_truncated = truncate_overlength(workload, 4096)
+    assert num_truncated == 2
+    long2, twin2, short2, other2 = (s.turns[0] for s in cut.sessions)
+    assert long2.prompt_len == twin2.prompt_len == 4095
+    # The first 405 tokens went: the document's kept tail is new content, the rest keeps its ids.
+    assert [n for _, n in long2.segments] == [2595, 500, 1000]
+    assert long2.segments[0][0] not in (1, 2, 3, 4, 5, 6) and long2.segments[1:] == ((2, 500), (3, 1000))
+    # Each cut is its own content: two truncated prompts share nothing, not even the kept tail ...
+    assert long2.prefix_key(100) != twin2.prefix_key(100)
+    assert long2.prefix_key(100) != short2.prefix_key(100)
+    # ... while untruncated prompts keep their segments and still share their common prefix.
+    assert short2.segments == short.segments and other2.segments == other.segments
+    assert short2.prefix_key(3000) == other2.prefix_key(3000) != short2.prefix_key(3001)
+    assert truncate_overlength(Workload((Session(2, 0.0, (short,)),)), 4096)[1] == 0

@@ -98,6 +98,7 @@ class Workload:
     sessions: tuple[Session, ...]
     num_skipped_records: int = 0   # malformed trace records skipped with trace.on_error=skip
     num_failed_requests: int = 0   # requests the trace marks as failed (BurstGPT zero responses)
+    trace_format: str = ""         # the format a trace was read as (trace.format=auto says which)
 
     @property
     def num_requests(self) -> int:

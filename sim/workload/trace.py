@@ -140,7 +140,7 @@ def read_requests(spec: TraceSpec) -> tuple[TraceFormat, list[TraceRequest], int
     name = spec.format
     if name == "auto":
         name = detect_format(path)
-        log.info("trace: format auto -> %s (%s)", name, path)
+        log.debug("trace: format auto -> %s (%s)", name, path)
     elif name != "agentic":
         if Path(path).is_dir():
             raise TraceError("a directory", path, None, "give a file (only trace.format=agentic reads a directory)")
@@ -174,8 +174,6 @@ def read_requests(spec: TraceSpec) -> tuple[TraceFormat, list[TraceRequest], int
     if not kept:
         raise TraceError("no requests", path, None,
                          "the trace is empty or every record was skipped or failed")
-    if skipped or failed:
-        log.warning("trace: %d malformed records skipped, %d failed requests left out", skipped, failed)
     return reader.FORMAT, kept, skipped, failed
 
 
@@ -265,4 +263,4 @@ def build_workload(spec: TraceSpec, seed: int) -> Workload:
             request_id += 1
     sessions = tuple(Session(session_id, turns[0][0], tuple(req for _, req in turns), chain)
                      for (session_id, chain), turns in chains.items())
-    return Workload(sessions, skipped, failed)
+    return Workload(sessions, skipped, failed, fmt.name)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from calibration.fit import fit_profile, fit_roofline, prepare
 from calibration.vidur import import_directory
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, gemm_work
+from sim.errors import KvsimError
 from sim.latency.profile import load_profile
 
 SAMPLE = Path(__file__).parent.parent / "data" / "vidur_a100_sample"
@@ -130,3 +131,26 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, fragment):
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in out.stderr
+
+
+def test_gpu_names_come_from_the_data_and_pick_the_datasheet_base(tmp_path):
+    from calibration.gpus import base_profile
+    from calibration.vidur import gpu_of
+
+    assert gpu_of(Path("x/h100__meta-llama_Meta-Llama-3-8B.csv")) == "h100"
+    assert gpu_of(Path("data/profiling/compute/a100/meta-llama/Llama-2-7b-hf/mlp.csv")) == "a100"
+    assert gpu_of(Path("somewhere/mlp.csv")) == "unknown"
+    packaged = ["a100_40g", "a100_80g", "h100", "h200"]
+    assert base_profile("h200", "mine", ["h100"], packaged) == "h200"          # base= wins
+    assert base_profile(None, "a100_80g", ["a100"], packaged) == "a100_80g"   # then the name
+    assert base_profile(None, "my_gpu", ["NVIDIA H100 80GB HBM3"], packaged) == "h100"  # then the data
+    with pytest.raises(KvsimError, match="key base, give base=<one of a100_40g"):
+        base_profile(None, "my_gpu", ["unknown"], packaged)
+
+
+def test_imported_h100_data_is_labelled_h100(tmp_path):
+    (tmp_path / "in").mkdir()
+    source = SAMPLE / "a100__meta-llama_Meta-Llama-3-8B.csv"
+    (tmp_path / "in" / "h100__meta-llama_Meta-Llama-3-8B.csv").write_text(source.read_text())
+    rows = import_directory(tmp_path / "in")
+    assert {r["gpu"] for r in rows} == {"h100"}
