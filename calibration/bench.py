@@ -11,7 +11,6 @@ import itertools
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf

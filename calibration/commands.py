@@ -19,7 +19,7 @@ from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
 from sim.errors import UnknownNameError
-from sim.latency.profile import available_profiles, load_profile
+from sim.latency.profile import load_profile
 
 PACKAGED = "calibration/profiles"
 

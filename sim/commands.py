@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sim.errors import ConfigError
-from sim.staging import final_dir, sweep_progress
 from sim.models import model_from_dict, resolve_kv_dtype
+from sim.staging import final_dir, sweep_progress
 
 GiB = 2**30
 TRACE_SELECTED_ENV = "KVSIM_TRACE_SCENARIO_SELECTED"  # set by `python -m sim` when it chose it

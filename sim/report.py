@@ -66,11 +66,13 @@ def format_table(comparison: pd.DataFrame) -> str:
 
 def format_serving(comparison: pd.DataFrame) -> str:
     """The serving results in vllm bench serve's words and units (milliseconds)."""
-    rows = {label: [comparison[f"vllm_bench.{key}"].iloc[i] for i in range(len(comparison))]
-            for label, key in SERVING_ROWS}
+    def cell(key: str, value) -> str:
+        return f"{int(value)}" if key == "completed" else f"{value:.2f}"
+
+    rows = {label: [cell(key, v) for v in comparison[f"vllm_bench.{key}"]] for label, key in SERVING_ROWS}
     frame = pd.DataFrame(rows, index=comparison.allocator).T
     frame.index.name = "serving (measured window)"
-    return frame.to_string(float_format=lambda v: f"{v:.2f}")
+    return frame.to_string()
 
 
 def run_title(cfg, hydra_cfg=None) -> str:
@@ -232,8 +234,9 @@ def plot_run(comparison: pd.DataFrame, timelines: dict, requests: dict, out_dir:
     return written
 
 
-SWEEP_METRICS = [("kv.internal_frag_frac", "internal fragmentation"),
-                 ("prefix_cache.hit_rate", "prefix hit rate"), ("kv.waste_frac", "waste"),
+SWEEP_METRICS = [("kv.internal_frag_of_capacity", "internal fragmentation / capacity"),
+                 ("prefix_cache.hit_rate", "prefix hits / prompt tokens"),
+                 ("kv.waste_of_used", "waste / used"),
                  ("throughput.output_tokens_per_s", "output tokens / s")]
 
 
@@ -279,9 +282,9 @@ def plot_sweep(summary: pd.DataFrame, key: str, path: Path) -> None:
         if summary[key].min() > 0 and summary[key].max() / summary[key].min() > 16:
             ax.set_xscale("log", base=2)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    base = str(summary["run_title"].iloc[0]).split(" | ")[0] if "run_title" in summary else ""
+    _finish(fig, path, f"swept: {key} = {', '.join(str(v) for v in sorted(summary[key].unique()))}"
+                       + (f"\n{base}" if base else ""))
 
 
 def report_sweep(sweep_dir: Path) -> list[Path]:

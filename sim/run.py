@@ -24,8 +24,8 @@ from sim.errors import ConfigError, UnknownNameError
 from sim.latency import LatencyModel, load_profile
 from sim.metrics import Recorder, summarize
 from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
-from sim.scheduler import Scheduler, SchedulerSpec
 from sim.progress import progress_bar
+from sim.scheduler import Scheduler, SchedulerSpec
 from sim.workload.overlength import truncate_overlength
 from sim.workload.request import Workload
 

@@ -1,7 +1,6 @@
 """Whole simulations on the tiny golden set-up: metamorphic and behavioural checks."""
 import json
 
-import numpy as np
 import pytest
 
 from sim.latency.model import BatchShape

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sim.workload.request import PrefixInterner, Request, Session, Workload, make_request
+from sim.workload.request import PrefixInterner, Request, Workload, make_request
 
 
 def _kept_segments(request: Request, keep: int, new_content: int) -> list[tuple[int, int]]:
