@@ -147,7 +147,7 @@ def check_host_memory(allocator: str, state_bytes: int, num_replicas: int) -> No
             f"cluster.num_replicas={num_replicas} with the {allocator} allocator needs about "
             f"{per_replica * num_replicas / 2**30:,.1f} GiB of host memory for simulator state "
             f"({per_replica / 2**20:.1f} MiB per replica), and {budget / 2**30:.1f} GiB is available, "
-            f"key cluster.num_replicas, use at most {fits} replicas (or a larger block_size)")
+            f"key cluster.num_replicas, use at most {fits} replicas (or a smaller KV pool per replica)")
 
 
 MAX_EXTENDED_MODEL_LEN = 1_048_576
@@ -172,7 +172,7 @@ def build_workload(cfg: DictConfig, seed: int) -> Workload:
 
 
 def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
-             num_truncated: int = 0, show_progress: bool = False) -> RunResult:
+             show_progress: bool = False) -> RunResult:
     started = time.perf_counter()
     spec = setup.spec
     env = simpy.Environment()
@@ -200,7 +200,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     for replica in cluster.replicas:
         recorder.record_itl(replica.scheduler.itl_samples)
     requests, timeline = recorder.tables()
-    counts = {"truncated_prompt": num_truncated,
+    counts = {"truncated_prompt": workload.num_truncated_prompts,
               "skipped_malformed_records": workload.num_skipped_records,
               "failed_in_trace": workload.num_failed_requests}
     metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
@@ -219,8 +219,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
 def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
     setup = prepare(cfg)
     workload = build_workload(cfg, setup.spec.seed)
-    num_truncated = 0
     if setup.spec.on_overlength == "truncate":
-        workload, num_truncated = truncate_overlength(workload, setup.spec.max_model_len)
-    return [simulate(setup, workload, name, cfg.router, num_truncated, show_progress)
+        workload = truncate_overlength(workload, setup.spec.max_model_len)
+    return [simulate(setup, workload, name, cfg.router, show_progress)
             for name in setup.allocator_configs]

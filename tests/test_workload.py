@@ -109,8 +109,8 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
     short = make_request(interner, 2, [(1, 3000), (5, 40)], 10, 92, session_id=2)
     other = make_request(interner, 3, [(1, 3000), (6, 40)], 10, 93, session_id=3)
     workload = Workload(tuple(Session(i, 0.0, (r,)) for i, r in enumerate((long, twin, short, other))))
-    cut, num_truncated = truncate_overlength(workload, 4096)
-    assert num_truncated == 2
+    cut = truncate_overlength(workload, 4096)
+    assert cut.num_truncated_prompts == 2
     long2, twin2, short2, other2 = (s.turns[0] for s in cut.sessions)
     assert long2.prompt_len == twin2.prompt_len == 4095
     # The first 405 tokens went: the document's kept tail is new content, the rest keeps its ids.
@@ -122,4 +122,5 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
     # ... while untruncated prompts keep their segments and still share their common prefix.
     assert short2.segments == short.segments and other2.segments == other.segments
     assert short2.prefix_key(3000) == other2.prefix_key(3000) != short2.prefix_key(3001)
-    assert truncate_overlength(Workload((Session(2, 0.0, (short,)),)), 4096)[1] == 0
+    untouched = Workload((Session(2, 0.0, (short,)),))
+    assert truncate_overlength(untouched, 4096) is untouched

@@ -27,12 +27,12 @@ def _kept_segments(request: Request, keep: int, new_content: int) -> list[tuple[
     return segments
 
 
-def truncate_overlength(workload: Workload, max_model_len: int) -> tuple[Workload, int]:
+def truncate_overlength(workload: Workload, max_model_len: int) -> Workload:
     """The workload with every prompt longer than max_model_len cut to its last
-    max_model_len - 1 tokens, and how many were cut. Unchanged (same object) when none is."""
+    max_model_len - 1 tokens, counted in num_truncated_prompts. The same object when none is."""
     keep = max(1, max_model_len - 1)
     if all(t.prompt_len <= max_model_len for s in workload.sessions for t in s.turns):
-        return workload, 0
+        return workload
     next_content = 1 + max(max(max((c for c, _ in t.segments), default=0), t.output_content_id)
                            for s in workload.sessions for t in s.turns)
     interner, sessions, num_truncated = PrefixInterner(), [], 0
@@ -49,4 +49,4 @@ def truncate_overlength(workload: Workload, max_model_len: int) -> tuple[Workloa
                                    think_time_s=t.think_time_s, n=t.n, chain=t.chain)
             turns.append(rebuilt)
         sessions.append(replace(session, turns=tuple(turns)))
-    return replace(workload, sessions=tuple(sessions)), num_truncated
+    return replace(workload, sessions=tuple(sessions), num_truncated_prompts=num_truncated)

@@ -99,6 +99,7 @@ class Workload:
     num_skipped_records: int = 0   # malformed trace records skipped with trace.on_error=skip
     num_failed_requests: int = 0   # requests the trace marks as failed (BurstGPT zero responses)
     trace_format: str = ""         # the format a trace was read as (trace.format=auto says which)
+    num_truncated_prompts: int = 0  # prompts cut to max_model_len - 1 (trace.on_overlength=truncate)
 
     @property
     def num_requests(self) -> int:
