@@ -12,6 +12,8 @@ GiB = 2**30
 @pytest.mark.parametrize("name, per_token", [
     # REFERENCE.md section 1, "Per token": 80 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes.
     ("llama2_70b", 327_680), ("llama3_70b", 327_680), ("qwen25_72b", 327_680),
+    ("llama31_70b", 327_680),    # Llama-3.1-70B keeps Llama-3-70B's attention shape
+    ("llama31_8b", 131_072),     # 32 layers x 8 KV heads x 128 x 2 x 2 bytes
     ("llama31_405b", 516_096),   # 126 layers
     ("deepseek_v3", 70_272),     # MLA: 61 layers x 576 elements x 2 bytes
     ("opt_13b", 819_200),        # MHA: 40 layers x 40 heads x 128
@@ -29,10 +31,21 @@ def test_cache_size_at_4096_tokens_matches_reference_table(name, gib):
 def test_every_shipped_model_loads():
     names = available_models()
     for required in ("llama2_70b", "llama2_70b_mha", "llama3_8b", "llama3_70b", "llama31_405b",
+                     "llama31_8b", "llama31_70b",
                      "qwen25_72b", "mistral_7b", "opt_13b", "deepseek_v3"):
         assert required in names
     for name in names:
         assert load_model(name).kv_bytes_per_token() > 0
+
+
+def test_llama31_is_llama3_with_a_131072_token_window():
+    # Meta-Llama-3.1-8B/70B config.json (meta-llama on Hugging Face): max_position_embeddings
+    # 131072 with rope_scaling type llama3; layers, heads, KV heads, widths and vocabulary are
+    # those of Llama-3 (REFERENCE.md section 5, 8.03B and 70.55B parameters).
+    for size in ("8b", "70b"):
+        old, new = load_model(f"llama3_{size}"), load_model(f"llama31_{size}")
+        assert old.max_position_embeddings == 8192 and new.max_position_embeddings == 131_072
+        assert dataclasses.replace(new, name=old.name, max_position_embeddings=8192) == old
 
 
 def test_shrinking_axes_each_scale_their_factor():

@@ -103,6 +103,8 @@ def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     (["scenario=chat", "trace.path=sample:mooncake"], ["trace.path is set but scenario=chat reads no trace",
                                                         "add scenario=trace"]),
+    (["scenario.num_requests=5"], ["scenario.num_requests"]),           # a key of another scenario
+    (["+scenario.num_requests=5"], ["unexpected keyword argument 'num_requests'"]),
     (["+allocator_options.radix.page_size=4"], ["allocator_options.radix.page_size is set but radix is not "
                                                "in allocators=[paged]", "add radix to allocators"]),
 ])
