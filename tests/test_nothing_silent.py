@@ -178,3 +178,19 @@ def test_help_lists_commands_groups_choices_and_keys(tmp_path):
                 "measure.warmup_s=0.0", "max_model_len=null", "progress=true"):
         assert re.search(rf"^  {re.escape(key)} +\S", out.stdout, re.M), key
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_main_job_serves_everything_quietly_and_shows_the_designs(tmp_path):
+    """The rag_agents defaults, a third as long: no warning, every request served, prefix hits
+    above 0.2, paged's memory in use nearly all token states, contiguous far below it."""
+    out = sim(tmp_path, "run", "scenario=rag_agents", "scenario.num_sessions=210", "plots=false",
+              "hydra.run.dir=out")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    m = {name: metrics(tmp_path, name) for name in ("contiguous", "paged", "prefix")}
+    for values in m.values():
+        assert values["num_finished"] == values["num_requests"] > 700
+        assert not any(values["unserved"].values())
+    assert m["prefix"]["prefix_cache"]["hit_rate"] > 0.2
+    assert m["paged"]["kv"]["token_states_of_used"] >= 0.9
+    assert m["contiguous"]["kv"]["token_states_of_used"] <= m["paged"]["kv"]["token_states_of_used"] - 0.2
+    assert m["paged"]["measurement"]["excluded_warmup_s"][1] - m["paged"]["measurement"]["excluded_warmup_s"][0] == 300
