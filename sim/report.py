@@ -297,6 +297,19 @@ def report_sweep(sweep_dir: Path) -> list[Path]:
     return written
 
 
+def _with_denominator_names(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Runs written before the *_of_capacity / *_of_used names had the same shares as *_frac."""
+    if "kv.token_states_of_capacity" in comparison:
+        return comparison
+    comparison = comparison.copy()
+    for key, _, _ in BREAKDOWN:
+        comparison[f"kv.{key}_of_capacity"] = comparison[f"kv.{key}_frac"]
+    used = 1 - comparison["kv.free_frac"] - comparison["kv.cached_idle_frac"]
+    comparison["kv.waste_of_used"] = comparison["kv.waste_frac"]
+    comparison["kv.token_states_of_used"] = (comparison["kv.token_states_frac"] / used).where(used > 0, 0.0)
+    return comparison
+
+
 def report(run_dir: Path) -> list[Path]:
     """Redraw a run directory's plots and write its memory breakdown as CSV; for a sweep
     directory, write sweep_summary.csv (and sweep.png when one numeric key was swept)."""
@@ -306,7 +319,7 @@ def report(run_dir: Path) -> list[Path]:
             return report_sweep(run_dir)
         raise KvsimError(f"no {COMPARISON_FILE} in '{run_dir}', key run_dir, "
                          f"pass a directory written by 'python -m sim run' or a sweep directory")
-    comparison = pd.read_csv(comparison_path)
+    comparison = _with_denominator_names(pd.read_csv(comparison_path))
     timelines, requests = {}, {}
     for name in comparison.allocator:
         for kind, store in (("timeline", timelines), ("requests", requests)):

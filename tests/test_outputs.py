@@ -90,3 +90,17 @@ def test_progress_bar_counts_requests_and_shows_rate_and_eta():
     with progress_bar(False, 200, "paged", file=quiet) as bar:
         bar.advance(1.0)
     assert quiet.getvalue() == ""
+
+
+def test_report_redraws_a_run_written_before_the_denominator_names(run_dir, tmp_path, monkeypatch):
+    folder, _ = run_dir
+    old = tmp_path / "old"
+    old.mkdir()
+    comparison = pd.read_csv(folder / "comparison.csv")
+    legacy = comparison.drop(columns=[c for c in comparison if c.endswith(("_of_capacity", "_of_used"))])
+    legacy.to_csv(old / "comparison.csv", index=False)
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: None)
+    report_module.report(old)
+    written = pd.read_csv(old / "memory_breakdown.csv")
+    for key in ("kv.token_states_of_capacity", "kv.waste_of_used", "kv.token_states_of_used"):
+        assert written[key].tolist() == pytest.approx(comparison[key].tolist(), rel=1e-12)
