@@ -73,6 +73,7 @@ def check_keys_are_read(cfg: DictConfig, choices) -> None:
 
 
 READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}
+TRACE_STATS_KEYS = {"scenario", "trace", "block_size", "seed", "format", "model"}
 
 
 def sharing_task(cfg: DictConfig, out_dir: Path) -> None:
@@ -138,6 +139,11 @@ def trace_stats_task(cfg: DictConfig) -> None:
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
+    for override in HydraConfig.get().overrides.task:  # run keys are accepted, not read here
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.split(".")[0] not in TRACE_STATS_KEYS:
+            raise ConfigError(f"trace-stats does not read {key}, override '{override}', "
+                              f"use {', '.join(sorted(TRACE_STATS_KEYS))} (or python -m sim run)")
     if cfg.scenario is not None:
         from sim.run import build_workload
         name = HydraConfig.get().runtime.choices.get("scenario")

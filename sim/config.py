@@ -101,11 +101,10 @@ class ReportConfig:
 
 
 @dataclass
-class TraceStatsConfig:
+class TraceStatsConfig(RunConfig):
+    """A run's keys (a scenario may set engine keys, as rag_agents and long_context do), of which
+    trace-stats reads the scenario or the trace, block_size and seed; and the output format."""
     scenario: Any = None
-    trace: TraceConfig = field(default_factory=TraceConfig)
-    block_size: int = MISSING
-    seed: int = MISSING
     format: str = MISSING
 
 

@@ -106,6 +106,7 @@ def test_multirun_sweeps(tmp_path):
     (["trace-stats", "trace.path=missing.jsonl"], ["no such file", "missing.jsonl"]),
     (["trace-stats", "trace.path=sample:mooncake", "trace.format=xml"], ["unknown trace format 'xml'"]),
     (["trace-stats"], ["trace.path is not set"]),
+    (["trace-stats", "scenario=chat", "gpu=h200"], ["trace-stats does not read gpu"]),
     (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
@@ -148,3 +149,10 @@ def test_replaying_a_shipped_trace(tmp_path):
     metrics = json.loads((tmp_path / "t" / "prefix" / "metrics.json").read_text())
     assert metrics["num_finished"] + metrics["num_rejected"] == metrics["num_requests"] == 38
     assert metrics["prefix_cache"]["hit_rate"] > 0.5
+
+
+@pytest.mark.parametrize("scenario", ["rag_agents", "long_context"])
+def test_trace_stats_of_scenarios_that_choose_their_model(tmp_path, scenario):
+    out = sim(tmp_path, "trace-stats", f"scenario={scenario}", "format=json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_requests"] > 0
