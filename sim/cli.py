@@ -121,12 +121,18 @@ def validate(config_name: str, overrides: list[str], register=register_schemas):
     return first
 
 
-def num_sweep_jobs(overrides: list[str]) -> int:
+def num_sweep_jobs(overrides: list[str], sweeper_params: dict | None = None) -> int:
+    """Jobs of a basic sweep: the product of the swept values, from the config's
+    hydra.sweeper.params and the command line (which wins for a key given in both)."""
+    parser = OverridesParser.create()
+    counts = {}
+    for text in [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + list(overrides):
+        override = parser.parse_override(text)
+        key = override.get_key_element()
+        counts[key] = len(list(override.sweep_string_iterator())) if override.is_sweep_override() else 1
     jobs = 1
-    for text in overrides:
-        override = OverridesParser.create().parse_override(text)
-        if override.is_sweep_override():
-            jobs *= len(list(override.sweep_string_iterator()))
+    for count in counts.values():
+        jobs *= count
     return jobs
 
 

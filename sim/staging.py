@@ -48,7 +48,8 @@ class Staging:
         if "-m" in argv or "--multirun" in argv:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
-            os.environ[SWEEP_JOBS_ENV] = str(num_sweep_jobs(overrides))
+            params = hydra_cfg.get("sweeper", {}).get("params") or {}
+            os.environ[SWEEP_JOBS_ENV] = str(num_sweep_jobs(overrides, dict(params)))
             return cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep,
                        created_root=_first_missing(sweep))
         final = Path(hydra_cfg.run.dir).absolute()

@@ -156,3 +156,10 @@ def test_trace_stats_of_scenarios_that_choose_their_model(tmp_path, scenario):
     out = sim(tmp_path, "trace-stats", f"scenario={scenario}", "format=json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["num_requests"] > 0
+
+
+def test_sweep_job_count_takes_the_configs_sweeper_params_and_the_command_line():
+    from sim.cli import num_sweep_jobs
+    assert num_sweep_jobs(["seed=0,1", "plots=false"], {"block_size": "1,8,16"}) == 6
+    assert num_sweep_jobs(["block_size=1,2"], {"block_size": "1,8,16"}) == 2   # the command line wins
+    assert num_sweep_jobs(["seed=range(0,4)"]) == 4
