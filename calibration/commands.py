@@ -14,7 +14,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from calibration.fit import fit_profile, operator_params, predict, prepare
-from calibration.gpus import base_profile
+from calibration.gpus import base_profile, check_profile_name
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
@@ -49,6 +49,7 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
                    raw_rows: list[dict] | None = None) -> Path:
     """Fit, then write raw.csv (if given), profile.json and the report: all of them or none."""
     gpu_names = sorted(str(g) for g in frame["gpu"].dropna().unique()) if "gpu" in frame else []
+    check_profile_name(cfg.name, gpu_names, _packaged_profiles())
     base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, _packaged_profiles()))
     versions = {k: str(frame[k].dropna().iloc[0]) for k in ("driver", "torch", "triton")
                 if k in frame and frame[k].notna().any()}
@@ -58,6 +59,8 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
         profile["gpu_name"] = ", ".join(gpu_names)  # what the data says, not the base's name
     folder = Path(cfg.out_dir) / cfg.name
     staging = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    created = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
+    written = False
     try:
         staging.mkdir(parents=True, exist_ok=True)
         if raw_rows is not None:
@@ -65,10 +68,16 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
         (staging / "profile.json").write_text(json.dumps(profile, indent=1) + "\n")
         write_report(frame, profile, base, report, staging)
         folder.mkdir(parents=True, exist_ok=True)
-        for written in staging.iterdir():
-            os.replace(written, folder / written.name)
+        for path in staging.iterdir():
+            os.replace(path, folder / path.name)
+        written = True
+    except OSError as exc:
+        raise RawError(f"cannot write the profile ({exc.strerror}), {exc.filename}, "
+                       f"give out_dir= a folder you can write to") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if not written and created is not None and created.is_dir() and not any(created.rglob("*.*")):
+            shutil.rmtree(created, ignore_errors=True)  # folders this call made, still empty
     for op, numbers in report.items():
         held = numbers.get("held_out_classes", {})
         extra = numbers.get("extrapolation", {})

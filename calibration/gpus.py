@@ -35,3 +35,18 @@ def base_profile(base: str | None, name: str, gpu_names: list[str], packaged: li
     raise ConfigError(f"no datasheet profile matches GPU {', '.join(gpu_names) or 'unknown'} or name "
                       f"'{name}', key base, give base=<one of {', '.join(packaged)}> (the datasheet "
                       f"figures the fit starts from)")
+
+
+def check_profile_name(name: str, gpu_names: list[str], packaged: list[str]) -> None:
+    """One GPU per profile; a name that is a file name; a packaged GPU's name only for its data."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"profile name '{name}' is not a plain file name, key name, "
+                          f"use letters, digits, '_', '-' and '.' (e.g. name=my_h100)")
+    if len(gpu_names) > 1:
+        raise ConfigError(f"the data comes from several GPUs ({', '.join(gpu_names)}), key name, "
+                          f"fit one GPU's measurements at a time")
+    measured = profile_name(gpu_names[0]) if gpu_names else None
+    family = (lambda profile: profile.split("_")[0])  # a100_40g and a100_80g: one family
+    if name in packaged and measured in packaged and family(measured) != family(name):
+        raise ConfigError(f"name={name} is the packaged {name} profile but the data was measured "
+                          f"on {gpu_names[0]}, key name, use name={measured} or a name of your own")

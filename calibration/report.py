@@ -63,6 +63,8 @@ def write_report(frame: pd.DataFrame, profile: dict, base: dict, report: dict, f
         ax.set_xlabel("measured (s)")
         ax.set_ylabel("predicted (s)")
         ax.set_title(f"{op}: all rows, calibrated model")
+    fig.suptitle(f"profile {profile['name']}: {profile['gpu_name']} ({profile['source']}"
+                 + (f", {profile['date']}" if profile.get("date") else "") + ")", fontsize=9)
     fig.tight_layout()
     _save(fig, folder / "fit.png")
     plt.close(fig)

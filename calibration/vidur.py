@@ -56,6 +56,12 @@ def import_file(path: Path) -> list[dict]:
     model = path.stem.split("__")[-1]
     gpu = gpu_of(path)
     rows = []
+    incomplete = frame[list(NEEDED + tuple(f"time_stats.{g}.{s}" for g in GEMMS
+                                           for s in ("min", "max", "median", "std")))].isna().any(axis=1)
+    if incomplete.any():
+        line = int(incomplete.to_numpy().argmax()) + 2  # 1-based, after the header
+        raise RawError(f"incomplete row (empty values), {path}:{line}, "
+                       f"give Vidur's whole data/profiling/compute/<gpu>/<model>/mlp.csv")
     for index, row in enumerate(frame.itertuples(index=False)):
         shapes = _shapes(row)
         for gemm in GEMMS:

@@ -26,7 +26,7 @@ def _commands():
                       {"model": "model=NAME"}),
         "trace-stats": Command("trace_stats", lambda: commands.trace_stats_task,
                                "What a trace (trace.path=FILE) or a scenario asks of a KV cache.",
-                               {"scenario": "scenario=NAME"}),
+                               {"scenario": "scenario=NAME"}, (("run", "trace."),)),
         "report": Command("report", lambda: commands.report_task,
                           "Redraw a run's (or a sweep's) plots and summary CSVs: run_dir=DIR.", {}),
     }

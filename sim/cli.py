@@ -6,6 +6,7 @@ that an unknown group option, unknown key, malformed override or wrong type beco
 """
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Callable, NamedTuple
 
@@ -175,6 +176,7 @@ class Command(NamedTuple):
     load_task: Callable         # returns the Hydra task function (imported late)
     description: str            # one line for --help
     groups: dict                # config group -> how it is chosen, listed by --help
+    shared_keys: tuple = ()     # (config, prefix): keys documented in another primary config
 
 
 def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
@@ -186,16 +188,30 @@ def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
     command = argv[0]
     if command not in commands:
         fail(f"unknown command '{command}', command line, use one of: {', '.join(commands)}")
-    config_name, load_task, description, groups = commands[command]
+    config_name, load_task, description, groups, shared_keys = commands[command]
     rest = argv[1:]
     if "--help" in rest or "-h" in rest:
-        print(command_help(program, command, config_name, description, groups))
+        print(command_help(program, command, config_name, description, groups, shared_keys))
         raise SystemExit(0)
     overrides = split_flags(rest)
     composed = validate(config_name, overrides, register=register)
-    staging = Staging.plan(composed, rest, overrides)
+    try:
+        staging = Staging.plan(composed, rest, overrides)
+    except KvsimError as exc:
+        fail(str(exc))
     sys.argv = [f"{sys.argv[0]} {command}", *rest, *staging.overrides]  # not the command word
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=config_name,
                      version_base="1.3")(guarded(load_task()))
-    with staging:
-        app()
+    previous = signal.signal(signal.SIGTERM, _terminate)  # clean up as on any failure
+    try:
+        with staging:
+            app()
+    except KeyboardInterrupt:
+        print("error: interrupted, command line, nothing was written", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)

@@ -31,6 +31,10 @@ def run_task(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown task '{cfg.task}', key task, use compare or sharing")
     check_keys_are_read(cfg, HydraConfig.get().runtime.choices)
     results = run_all(cfg, show_progress=cfg.progress and not cfg.quiet)
+    if cfg.enable_prefix_caching and "paged" in cfg.allocators:
+        print(f"note: enable_prefix_caching=true runs paged as prefix: allocators="
+              f"[{','.join(cfg.allocators)}] ran {', '.join(r.allocator for r in results)}",
+              file=sys.stderr)
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     detected = results[0].metrics["workload"]["trace_format"]
@@ -61,6 +65,9 @@ def check_keys_are_read(cfg: DictConfig, choices) -> None:
     allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
     for override in HydraConfig.get().overrides.task:
         key = override.lstrip("+~").split("=", 1)[0]
+        if override.startswith("+") and key.split(".")[0] not in OPEN_NODES:
+            raise ConfigError(f"{key} is not a key of python -m sim run, override '{override}', "
+                              f"drop it (python -m sim run --help lists the keys)")
         if key.startswith("trace.") and key not in READ_BY_EVERY_SCENARIO and scenario != "trace":
             raise ConfigError(f"{key} is set but scenario={scenario} reads no trace, override "
                               f"'{override}', add scenario=trace or drop the trace.* keys")
@@ -73,6 +80,8 @@ def check_keys_are_read(cfg: DictConfig, choices) -> None:
 
 
 READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}
+# Nodes whose keys are free-form (checked where they are used) or groups added with +NAME=...
+OPEN_NODES = {"allocator_options", "scenario", "model", "sharing", "experiment", "hydra"}
 TRACE_STATS_KEYS = {"scenario", "trace", "block_size", "seed", "format", "model"}
 
 
@@ -139,11 +148,17 @@ def trace_stats_task(cfg: DictConfig) -> None:
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} is negative, key seed, use 0 or a positive integer")
     for override in HydraConfig.get().overrides.task:  # run keys are accepted, not read here
         key = override.lstrip("+~").split("=", 1)[0]
         if key.split(".")[0] not in TRACE_STATS_KEYS:
             raise ConfigError(f"trace-stats does not read {key}, override '{override}', "
                               f"use {', '.join(sorted(TRACE_STATS_KEYS))} (or python -m sim run)")
+        if key.startswith("trace.") and cfg.scenario is not None:
+            raise ConfigError(f"{key} is set but trace-stats describes scenario="
+                              f"{HydraConfig.get().runtime.choices.get('scenario')}, override "
+                              f"'{override}', drop scenario= to describe the trace")
     if cfg.scenario is not None:
         from sim.run import build_workload
         name = HydraConfig.get().runtime.choices.get("scenario")

@@ -156,6 +156,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         _require(native_window > 0, "max_model_len", "max_model_len is null and the model states no window",
                  "set max_model_len=<tokens>")
         c["max_model_len"] = native_window
+    _require(c["seed"] >= 0, "seed", f"seed={c['seed']} is negative", "use 0 or a positive integer")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",

@@ -7,15 +7,26 @@ from importlib import resources
 
 CONFIG_MODULE = "scenarios"
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w]*):\s*(.*?)\s+#\s*(.*)$")
+SENTENCE_END = re.compile(r"(?<!\bal)(?<!e\.g)(?<!i\.e)\.(\s|$)")  # not 'et al.', 'e.g.', 'i.e.'
 PARENT_LINE = re.compile(r"^(\s*)([A-Za-z_][\w]*):\s*(?:#.*)?$")  # a mapping: its keys follow
 
 
-def _first_comment(text: str) -> str:
+def _first_comment(text: str, name: str = "", limit: int = 160) -> str:
+    """The file's leading comment up to its first full stop, on one line, without a leading
+    'name:' (the option is listed beside it)."""
+    words = []
     for line in text.splitlines():
         line = line.strip()
-        if line.startswith("#") and "@package" not in line:
-            return line.lstrip("# ").rstrip()
-    return ""
+        if not line.startswith("#"):
+            break
+        if "@package" not in line:
+            words.append(line.lstrip("# ").rstrip())
+            if SENTENCE_END.search(" ".join(words)):
+                break
+    joined = " ".join(words).removeprefix(f"{name}: ")
+    match = SENTENCE_END.search(joined)
+    joined = joined[:match.start() + 1] if match else joined
+    return joined if len(joined) <= limit else joined[:limit - 3].rstrip() + "..."
 
 
 def group_options(group: str) -> list[tuple[str, str]]:
@@ -23,7 +34,7 @@ def group_options(group: str) -> list[tuple[str, str]]:
     folder = resources.files(CONFIG_MODULE) / group
     if not folder.is_dir():
         return []
-    return sorted((p.name[:-5], _first_comment(p.read_text())) for p in folder.iterdir()
+    return sorted((p.name[:-5], _first_comment(p.read_text(), p.name[:-5])) for p in folder.iterdir()
                   if p.name.endswith(".yaml"))
 
 
@@ -66,13 +77,16 @@ def main_help(usage: str, descriptions: dict[str, str], program: str) -> str:
 
 
 def command_help(program: str, command: str, config_name: str, description: str,
-                 groups: dict[str, str]) -> str:
-    """groups: group name -> how it is chosen (e.g. 'model=NAME')."""
+                 groups: dict[str, str], shared_keys=()) -> str:
+    """groups: group name -> how it is chosen (e.g. 'model=NAME'); shared_keys: (config,
+    prefix) pairs whose keys this command reads too."""
     lines = [f"usage: {program} {command} [key=value ...] [-m] [--cfg job]", "", description]
     for group, how in groups.items():
         options = gpu_profiles() if group == "gpu" else group_options(group)
         lines += ["", f"{group} ({how}):", *_table(options)]
     keys = commented_keys(config_name)
+    for other, prefix in shared_keys:
+        keys += [k for k in commented_keys(other) if k[0].startswith(prefix)]
     if keys:
         lines += ["", "keys (key=value; default, then meaning):",
                   *_table([(f"{k}={v}", c) for k, v, c in keys])]

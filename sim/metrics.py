@@ -9,9 +9,10 @@ each step's commit and held until that replica's next step; each category's time
 the capacity's, summed over replicas.
 
 Measurement window (`measure.*`): from first arrival + warmup_s to the last finish, or to the
-last arrival with exclude_drain. Latency covers finished requests that arrived inside it;
+arrival of the last new session with exclude_drain. Latency covers finished requests that arrived inside it;
 throughput counts output tokens sampled and requests finished inside it per second of it
-(sim_duration_s is its length); KV shares are integrals over it. Request counts, rejections,
+(measurement.duration_s is its length; sim_duration_s stays last finish - first arrival); KV
+shares are integrals over it. Request counts, rejections,
 unserved requests, prefix-cache figures and preemptions always cover every request.
 """
 from __future__ import annotations
@@ -124,13 +125,18 @@ class Window:
                 "excluded_drain_s": [self.end_s, self.last_finish_s]}
 
 
-def measurement_window(requests: pd.DataFrame, warmup_s: float, exclude_drain: bool) -> Window:
-    """[first arrival + warmup_s, last finish], or up to the last arrival without the drain."""
+def measurement_window(requests: pd.DataFrame, warmup_s: float, exclude_drain: bool,
+                       last_session_arrival_s: float | None = None) -> Window:
+    """[first arrival + warmup_s, last finish], or, excluding the drain, up to the arrival of the
+    last new session (a property of the workload, so every allocator gets the same window; later
+    turns of running sessions are the drain)."""
     done = requests[requests.status == "finished"]
     first = float(requests.arrival_time_s.min()) if len(requests) else 0.0
     last_finish = float(done.finish_time_s.max()) if len(done) else first
     start = first + warmup_s
-    end = float(requests.arrival_time_s.max()) if exclude_drain and len(requests) else last_finish
+    if last_session_arrival_s is None:
+        last_session_arrival_s = float(requests.arrival_time_s.max()) if len(requests) else first
+    end = last_session_arrival_s if exclude_drain else last_finish
     if (warmup_s or exclude_drain) and end <= start:
         raise ConfigError(f"measure.warmup_s={warmup_s:g} leaves no span to measure (arrivals end "
                           f"{end - first:.1f} s after the first), key measure.warmup_s, "
@@ -172,9 +178,9 @@ def _unserved(requests: pd.DataFrame, num_workload_requests: int, counts: dict) 
 def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: float,
               gpu: str, profile_source: str, warmup_s: float = 0.0, exclude_drain: bool = False,
               itl_samples=(), num_workload_requests: int | None = None,
-              workload_counts: dict | None = None) -> dict:
+              workload_counts: dict | None = None, last_session_arrival_s: float | None = None) -> dict:
     done = requests[requests.status == "finished"]
-    window = measurement_window(requests, warmup_s, exclude_drain)
+    window = measurement_window(requests, warmup_s, exclude_drain, last_session_arrival_s)
     duration = window.duration_s
     measured = done[(done.arrival_time_s >= window.start_s) & (done.arrival_time_s <= window.end_s)]
     kv = kv_fractions(timeline, window.start_s, window.end_s)
@@ -208,12 +214,14 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
         "num_requests": int(len(requests)),
         "num_finished": int(len(done)),
         "num_rejected": int((requests.status == "rejected").sum()),
-        "sim_duration_s": duration,
+        "sim_duration_s": window.last_finish_s - window.first_arrival_s,
         "wall_time_s": wall_time_s,
         "throughput": throughput,
         "latency_s": latency,
-        "vllm_bench": vllm_bench_block(latency, throughput, len(measured)),
-        "measurement": {**window.as_dict(), "num_measured_requests": int(len(measured))},
+        "vllm_bench": vllm_bench_block(latency, throughput, len(finished_in_window)),
+        "measurement": {**window.as_dict(), "duration_s": duration,
+                        "num_measured_requests": int(len(measured)),
+                        "num_finished_in_window": int(len(finished_in_window))},
         "unserved": _unserved(requests, num_workload, workload_counts or {}),
         "kv": kv,
         "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
@@ -227,7 +235,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
 
 
 def vllm_bench_block(latency: dict, throughput: dict, num_completed: int) -> dict:
-    """The result keys of `vllm bench serve --save-result`, latencies in milliseconds."""
+    """The result keys of `vllm bench serve --save-result`, latencies in milliseconds;
+    completed = requests finished inside the window, so request_throughput = completed / span."""
     block = {"completed": num_completed, "request_throughput": throughput["requests_per_s"],
              "output_throughput": throughput["output_tokens_per_s"],
              "total_token_throughput": throughput["total_tokens_per_s"]}

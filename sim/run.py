@@ -172,7 +172,8 @@ def build_workload(cfg: DictConfig, seed: int) -> Workload:
 
 
 def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
-             show_progress: bool = False) -> RunResult:
+             on_progress=None) -> RunResult:
+    """One allocator's run; on_progress(now) is called once per request served or rejected."""
     started = time.perf_counter()
     spec = setup.spec
     env = simpy.Environment()
@@ -193,9 +194,9 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
         cluster.add_replica(Replica(env, index, Scheduler(scheduler_spec, allocator),
                                     setup.latency, recorder, cluster.on_finish))
     cluster.start(workload)
-    with progress_bar(show_progress, workload.num_requests, allocator_name) as bar:
-        cluster.on_progress = bar.advance
-        env.run()
+    if on_progress is not None:
+        cluster.on_progress = on_progress
+    env.run()
     wall_time_s = time.perf_counter() - started
     for replica in cluster.replicas:
         recorder.record_itl(replica.scheduler.itl_samples)
@@ -207,7 +208,9 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                         gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
                         warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
                         itl_samples=recorder.itl_samples,
-                        num_workload_requests=workload.num_requests, workload_counts=counts)
+                        num_workload_requests=workload.num_requests, workload_counts=counts,
+                        last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
+                                                   default=0.0))
     metrics["max_model_len"] = spec.max_model_len
     metrics["workload"] = {"num_skipped_records": workload.num_skipped_records,
                            "num_failed_requests": workload.num_failed_requests,
@@ -221,5 +224,6 @@ def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
     workload = build_workload(cfg, setup.spec.seed)
     if setup.spec.on_overlength == "truncate":
         workload = truncate_overlength(workload, setup.spec.max_model_len)
-    return [simulate(setup, workload, name, cfg.router, show_progress)
-            for name in setup.allocator_configs]
+    names = list(setup.allocator_configs)
+    with progress_bar(show_progress, workload.num_requests * len(names), "+".join(names)) as bar:
+        return [simulate(setup, workload, name, cfg.router, bar.advance) for name in names]

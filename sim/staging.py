@@ -13,10 +13,28 @@ import os
 import shutil
 from pathlib import Path
 
+from sim.errors import KvsimError
+
 RUN_DIR_ENV = "KVSIM_RUN_DIR"        # the final folder of the single run in progress
 SWEEP_JOBS_ENV = "KVSIM_SWEEP_JOBS"  # how many jobs the sweep in progress has
 NO_OUTPUT_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",
                    "--shell-completion", "-sc", "--version"}
+
+
+JOB_DONE_FILES = ("comparison.csv", "sharing.csv")  # written last by a job that succeeded
+
+
+def _merge(source: Path, target: Path) -> None:
+    """Move source's files into target, replacing files of the same name, keeping the rest."""
+    target.mkdir(exist_ok=True)
+    for entry in source.iterdir():
+        destination = target / entry.name
+        if entry.is_dir() and destination.is_dir():
+            _merge(entry, destination)
+        else:
+            if destination.is_dir():
+                shutil.rmtree(destination)
+            os.replace(entry, destination)
 
 
 def _first_missing(path: Path) -> Path | None:
@@ -27,6 +45,18 @@ def _first_missing(path: Path) -> Path | None:
             break
         missing = candidate
     return missing
+
+
+def _make_folder(folder: Path, key: str) -> None:
+    """Create the folder a run writes into now, so that a path that cannot be one is a single
+    line here rather than Hydra's traceback later."""
+    if folder.exists() and not folder.is_dir():
+        raise KvsimError(f"{folder} is a file, key {key}, name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvsimError(f"cannot create {folder} ({exc.strerror}), key {key}, "
+                         f"name a folder you can write to") from None
 
 
 def _quoted(path: Path) -> str:
@@ -48,15 +78,20 @@ class Staging:
         if "-m" in argv or "--multirun" in argv:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
+            created_root = _first_missing(sweep)
+            _make_folder(sweep, "hydra.sweep.dir")
             params = hydra_cfg.get("sweeper", {}).get("params") or {}
             os.environ[SWEEP_JOBS_ENV] = str(num_sweep_jobs(overrides, dict(params)))
-            return cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep,
-                       created_root=_first_missing(sweep))
+            return cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root)
         final = Path(hydra_cfg.run.dir).absolute()
+        if final.exists() and not final.is_dir():
+            raise KvsimError(f"{final} is a file, key hydra.run.dir, name a folder")
         staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+        created_root = _first_missing(final)
+        _make_folder(staging, "hydra.run.dir")
         os.environ[RUN_DIR_ENV] = str(final)
         return cls([f"hydra.run.dir={_quoted(staging)}"], final=final, staging=staging,
-                   created_root=_first_missing(final))
+                   created_root=created_root)
 
     def __enter__(self) -> "Staging":
         return self
@@ -78,19 +113,18 @@ class Staging:
         if not self.final.exists():
             os.replace(self.staging, self.final)
             return
-        for entry in self.staging.iterdir():  # an existing folder the user named: add to it
-            target = self.final / entry.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(entry, target)
-        self.staging.rmdir()
+        _merge(self.staging, self.final)  # an existing folder the user named: add to it
+        shutil.rmtree(self.staging, ignore_errors=True)
 
     def _discard(self) -> None:
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self._remove_empty_parents(self.staging.parent)
         elif self.sweep_dir is not None and self.sweep_dir.is_dir():
-            if not any(p.is_dir() and not p.name.startswith(".") for p in self.sweep_dir.iterdir()):
+            for job in self.sweep_dir.iterdir():  # jobs stopped before they finished
+                if job.is_dir() and not any((job / name).is_file() for name in JOB_DONE_FILES):
+                    shutil.rmtree(job, ignore_errors=True)
+            if not any(p.is_dir() for p in self.sweep_dir.iterdir()):
                 if self.created_root is not None:  # no job succeeded: the sweep folder goes too
                     shutil.rmtree(self.sweep_dir, ignore_errors=True)
                     self._remove_empty_parents(self.sweep_dir.parent)
@@ -132,5 +166,5 @@ def sweep_progress(out_dir: Path) -> str | None:
     if not total:
         return None
     done = sum(1 for p in out_dir.parent.iterdir()
-               if (p / "comparison.csv").is_file() or (p / "sharing.csv").is_file())
+               if any((p / name).is_file() for name in JOB_DONE_FILES))
     return f"sweep: {done} of {total} jobs done"

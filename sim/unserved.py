@@ -13,7 +13,8 @@ def _what_and_fix(reason: str, max_model_len: int, model: str, allocator: str) -
             f"rejected: prompt longer than max_model_len={max_model_len}",
             f"raise max_model_len={longer} or set trace.on_overlength=truncate"),
         "truncated_prompt": (
-            f"truncated to their last {max_model_len - 1} prompt tokens (trace.on_overlength=truncate)",
+            f"truncated: prompt longer than max_model_len={max_model_len}, kept its last "
+            f"max_model_len - output tokens (trace.on_overlength=truncate)",
             f"raise max_model_len={longer} to keep whole prompts"),
         "truncated_output": (
             f"cut short: prompt + output reached max_model_len={max_model_len} before the output did",

@@ -107,6 +107,7 @@ def test_multirun_sweeps(tmp_path):
     (["trace-stats", "trace.path=sample:mooncake", "trace.format=xml"], ["unknown trace format 'xml'"]),
     (["trace-stats"], ["trace.path is not set"]),
     (["trace-stats", "scenario=chat", "gpu=h200"], ["trace-stats does not read gpu"]),
+    (["trace-stats", "scenario=chat", "trace.path=sample:mooncake"], ["trace-stats describes scenario=chat"]),
     (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):

@@ -79,12 +79,17 @@ def test_warmup_and_drain_are_left_out_of_latency_throughput_and_kv_but_not_of_c
         (0, 45.0, 100, 0, 0, 0, 0, 0, 100, 1, 1, 1, 0, 0, 0, 7)], columns=TIMELINE_COLUMNS)
     m = summarize(requests, t, wall_time_s=0.0, gpu="h100", profile_source="datasheet",
                   warmup_s=10.0, exclude_drain=True)
+    later = summarize(requests, t, wall_time_s=0.0, gpu="h100", profile_source="datasheet",
+                      warmup_s=10.0, exclude_drain=True, last_session_arrival_s=20.0)
+    assert later["measurement"]["window_s"] == [10.0, 20.0]       # the last new session's arrival
     assert m["measurement"]["window_s"] == [10.0, 30.0]           # first arrival + 10 .. last arrival
     assert m["measurement"]["excluded_warmup_s"] == [0.0, 10.0]
     assert m["measurement"]["excluded_drain_s"] == [30.0, 50.0]
     assert m["latency_s"]["ttft"]["mean"] == pytest.approx(0.5)   # the slow first request is out
     assert m["measurement"]["num_measured_requests"] == 3
-    assert m["sim_duration_s"] == 20.0
+    assert m["measurement"]["duration_s"] == 20.0
+    assert m["sim_duration_s"] == 50.0                            # unchanged: last finish - first arrival
+    assert m["vllm_bench"]["completed"] == 2                       # finished inside the window
     assert m["throughput"]["output_tokens_per_s"] == pytest.approx((4 + 6) / 20)
     assert m["throughput"]["requests_per_s"] == pytest.approx(2 / 20)   # finished at 12 and 22
     # KV over [10, 30]: 80 until 15, 20 until 25, 40 until 30 -> (5*80 + 10*20 + 5*40) / (20*100)

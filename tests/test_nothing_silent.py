@@ -55,14 +55,15 @@ def test_truncate_keeps_the_last_tokens_and_says_so(tmp_path):
     out = run(tmp_path, "scenario=trace", f"trace.path={six_requests(tmp_path)}",
               f"max_model_len={MAX_LEN}", "trace.on_overlength=truncate")
     assert out.returncode == 0, out.stderr
-    truncated, cut_short = warnings(out)   # a kept prompt of max_model_len - 1 leaves one output token
-    assert truncated.startswith(f"warning: 2 of 6 requests (33.3%) truncated to their last {MAX_LEN - 1} prompt tokens")
-    assert cut_short.startswith("warning: 2 of 6 requests (33.3%) cut short")
+    [truncated] = warnings(out)   # the kept prompt leaves room for the requested 20 tokens
+    assert truncated.startswith(f"warning: 2 of 6 requests (33.3%) truncated: prompt longer than "
+                                f"max_model_len={MAX_LEN}, kept its last max_model_len - output tokens")
     m = metrics(tmp_path)
     assert m["unserved"]["truncated_prompt"] == 2 and m["num_finished"] == 6 and m["num_rejected"] == 0
-    assert m["unserved"]["truncated_output"] == 2
+    assert m["unserved"]["truncated_output"] == 0
     requests = pd.read_parquet(tmp_path / "out" / "paged" / "requests.parquet")
-    assert sorted(requests.prompt_tokens) == [600, 800, 1000, 1200, MAX_LEN - 1, MAX_LEN - 1]
+    assert sorted(requests.prompt_tokens) == [600, 800, 1000, 1200, MAX_LEN - 20, MAX_LEN - 20]
+    assert (requests.output_tokens == 20).all()
 
 
 def test_output_cut_at_max_model_len_is_counted(tmp_path):
@@ -105,6 +106,8 @@ def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
                                                         "add scenario=trace"]),
     (["scenario.num_requests=5"], ["scenario.num_requests"]),           # a key of another scenario
     (["+scenario.num_requests=5"], ["unexpected keyword argument 'num_requests'"]),
+    (["+bogus=1"], ["bogus is not a key of python -m sim run"]),
+    (["+measure.bogus=1"], ["measure.bogus is not a key"]),
     (["+allocator_options.radix.page_size=4"], ["allocator_options.radix.page_size is set but radix is not "
                                                "in allocators=[paged]", "add radix to allocators"]),
 ])
@@ -175,7 +178,7 @@ def test_help_lists_commands_groups_choices_and_keys(tmp_path):
     for choice in ("rag_agents", "llama31_70b", "h200", "mi300x", "radix", "least_loaded", "golden"):
         assert re.search(rf"^  {choice} +\S", out.stdout, re.M), choice
     for key in ("scheduler_reserve_full_isl=true", "watermark=0.0", "trace.on_overlength=reject",
-                "measure.warmup_s=0.0", "max_model_len=null", "progress=true"):
+                "measure.warmup_s=0.0", "max_model_len=32768", "progress=true"):
         assert re.search(rf"^  {re.escape(key)} +\S", out.stdout, re.M), key
     assert list(tmp_path.iterdir()) == []
 
@@ -194,3 +197,29 @@ def test_the_main_job_serves_everything_quietly_and_shows_the_designs(tmp_path):
     assert m["paged"]["kv"]["token_states_of_used"] >= 0.9
     assert m["contiguous"]["kv"]["token_states_of_used"] <= m["paged"]["kv"]["token_states_of_used"] - 0.2
     assert m["paged"]["measurement"]["excluded_warmup_s"][1] - m["paged"]["measurement"]["excluded_warmup_s"][0] == 300
+
+
+def test_prefix_caching_switch_says_which_allocators_ran(tmp_path):
+    out = sim(tmp_path, "run", "+experiment=golden", "scenario.num_sessions=4", "plots=false",
+              "enable_prefix_caching=true", "allocators=[paged,prefix]", "hydra.run.dir=out")
+    assert out.returncode == 0, out.stderr
+    assert ("note: enable_prefix_caching=true runs paged as prefix: allocators=[paged,prefix] ran prefix"
+            in out.stderr)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir() and p.name != ".hydra") == ["prefix"]
+
+
+def test_unusable_output_folders_are_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for folder, fragment in (("afile", "is a file"), ("afile/sub", "cannot create")):
+        assert_one_line_error(sim(tmp_path, "run", f"hydra.run.dir={folder}"), fragment, "key hydra.run.dir")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_a_run_into_an_existing_folder_keeps_the_files_it_does_not_write(tmp_path):
+    (tmp_path / "mine" / "paged").mkdir(parents=True)
+    (tmp_path / "mine" / "paged" / "notes.txt").write_text("keep")
+    out = sim(tmp_path, "run", "+experiment=golden", "scenario.num_sessions=4", "plots=false",
+              "allocators=[paged]", "hydra.run.dir=mine")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "mine" / "paged" / "notes.txt").read_text() == "keep"
+    assert (tmp_path / "mine" / "paged" / "metrics.json").is_file()

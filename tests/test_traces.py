@@ -195,9 +195,10 @@ def test_sort_accepts_out_of_order_timestamps(tmp_path):
 def test_directories_are_only_for_agentic_sessions(tmp_path):
     with pytest.raises(TraceError, match="a directory"):
         read_requests(TraceSpec(path=str(tmp_path), format="mooncake"))
-    with pytest.raises(TraceError, match="an empty directory"):
+    (tmp_path / "SOURCE.md").write_text("# where the trace comes from\n")
+    with pytest.raises(TraceError, match="no trace files"):
         read_requests(TraceSpec(path=str(tmp_path)))
-    with pytest.raises(TraceError, match="a glob that matches no file"):
+    with pytest.raises(TraceError, match="a glob that matches no trace file"):
         read_requests(TraceSpec(path=str(tmp_path / "*.json")))
     with pytest.raises(TraceError, match="no session files"):
         read_requests(TraceSpec(path=str(tmp_path), format="agentic"))
@@ -209,6 +210,7 @@ def test_directories_are_only_for_agentic_sessions(tmp_path):
 def test_auto_detects_agentic_sessions_in_a_directory_and_a_glob(tmp_path):
     sessions = [[TraceRequest(0.0, 128, 4, (1, 2), session="x")]]
     agentic.write(sessions, tmp_path / "dir")
+    (tmp_path / "dir" / "SOURCE.md").write_text("licence\n")   # shipped beside public traces
     for path in (tmp_path / "dir", tmp_path / "dir" / "trace_*.json"):
         fmt, requests, _, _ = read_requests(TraceSpec(path=str(path)))
         assert fmt.name == "agentic" and [r.input_len for r in requests] == [128]
@@ -225,3 +227,21 @@ def test_undecodable_bytes_are_a_trace_error(tmp_path, fmt):
     path.write_bytes(b'{"timestamp": 0, "input_length": \xff\xfe}\n')
     with pytest.raises(TraceError):
         build_workload(TraceSpec(path=str(path), format=fmt), 0)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("share_preamble", True, "only agentic sessions have a preamble"),
+    ("timing", "open", "requests are independent"),
+    ("arrival_rate_rps", 50.0, "records its own arrival times"),
+    ("arrival_process", "constant", "records its own arrival times"),
+])
+def test_trace_keys_a_format_does_not_read_are_errors(tmp_path, key, value, why):
+    path = mooncake_file(tmp_path)
+    with pytest.raises(KvsimError, match=f"trace.{key} does not apply to this trace: .*{why}"):
+        build_workload(TraceSpec(path=path, **{key: value}), 0)
+
+
+def test_arrival_keys_apply_to_untimed_traces():
+    workload = build_workload(TraceSpec(path="sample:sharegpt", arrival_process="constant",
+                                        arrival_rate_rps=4.0, max_requests=5), 0)
+    assert sorted(s.arrival_time_s for s in workload.sessions) == [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -112,9 +112,9 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
     cut = truncate_overlength(workload, 4096)
     assert cut.num_truncated_prompts == 2
     long2, twin2, short2, other2 = (s.turns[0] for s in cut.sessions)
-    assert long2.prompt_len == twin2.prompt_len == 4095
-    # The first 405 tokens went: the document's kept tail is new content, the rest keeps its ids.
-    assert [n for _, n in long2.segments] == [2595, 500, 1000]
+    assert long2.prompt_len == twin2.prompt_len == 4096 - 10   # room for the 10 output tokens
+    # The first 414 tokens went: the document's kept tail is new content, the rest keeps its ids.
+    assert [n for _, n in long2.segments] == [2586, 500, 1000]
     assert long2.segments[0][0] not in (1, 2, 3, 4, 5, 6) and long2.segments[1:] == ((2, 500), (3, 1000))
     # Each cut is its own content: two truncated prompts share nothing, not even the kept tail ...
     assert long2.prefix_key(100) != twin2.prefix_key(100)

@@ -1,8 +1,8 @@
 """Prompts longer than max_model_len: `trace.on_overlength=truncate` keeps their last tokens.
 
 vLLM rejects such a prompt by default (its API answers 400); with `truncate_prompt_tokens` it
-keeps the last k tokens instead. Here a truncated prompt keeps its last max_model_len - 1 tokens,
-so one output token fits. Dropping the front changes the identity of everything after the cut: the
+keeps the last k tokens instead. Here a truncated prompt keeps its last max_model_len - output
+tokens, so that the requested output still fits (at least one prompt token is kept). Dropping the front changes the identity of everything after the cut: the
 partly kept segment becomes new content, and every request's prefix chain is interned afresh so
 that the kept segments' prefix keys cannot meet keys of the untruncated prompts.
 """
@@ -29,8 +29,8 @@ def _kept_segments(request: Request, keep: int, new_content: int) -> list[tuple[
 
 def truncate_overlength(workload: Workload, max_model_len: int) -> Workload:
     """The workload with every prompt longer than max_model_len cut to its last
-    max_model_len - 1 tokens, counted in num_truncated_prompts. The same object when none is."""
-    keep = max(1, max_model_len - 1)
+    max_model_len - output_len tokens (at least 1), counted in num_truncated_prompts. The same
+    object when no prompt is too long."""
     if all(t.prompt_len <= max_model_len for s in workload.sessions for t in s.turns):
         return workload
     next_content = 1 + max(max(max((c for c, _ in t.segments), default=0), t.output_content_id)
@@ -41,7 +41,7 @@ def truncate_overlength(workload: Workload, max_model_len: int) -> Workload:
         for t in session.turns:
             segments = t.segments
             if t.prompt_len > max_model_len:
-                segments = _kept_segments(t, keep, next_content)
+                segments = _kept_segments(t, max(1, max_model_len - t.output_len), next_content)
                 next_content += 1
                 num_truncated += 1
             rebuilt = make_request(interner, t.request_id, segments, t.output_len,

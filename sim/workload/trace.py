@@ -96,6 +96,9 @@ def resolve_path(path_text: str) -> str:
     return path_text
 
 
+TRACE_SUFFIXES = (".json", ".jsonl", ".csv")  # what a directory or glob is searched for
+
+
 def _is_glob(path_text: str) -> bool:
     return any(ch in path_text for ch in "*?[")
 
@@ -105,10 +108,11 @@ def detect_format(path_text: str) -> str:
     come as many files, so anything else found there is an error naming it)."""
     path = Path(path_text)
     if path.is_dir() or _is_glob(path_text):
-        files = sorted(p for p in (path.iterdir() if path.is_dir() else map(Path, glob.glob(path_text)))
-                       if p.is_file())
+        found = path.iterdir() if path.is_dir() else map(Path, glob.glob(path_text))
+        files = sorted(p for p in found if p.is_file() and p.suffix in TRACE_SUFFIXES)
         if not files:
-            what = "an empty directory" if path.is_dir() else "a glob that matches no file"
+            what = (f"no trace files ({', '.join('*' + s for s in TRACE_SUFFIXES)}) in the directory"
+                    if path.is_dir() else "a glob that matches no trace file")
             raise TraceError(what, path_text, None, "check trace.path")
         found = detect_format(str(files[0]))
         if found != "agentic":
@@ -184,9 +188,29 @@ def _arrivals(spec: TraceSpec, count: int, seed: int) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / spec.arrival_rate_rps, count - 1))])
 
 
+def check_keys_apply(spec: TraceSpec, fmt: TraceFormat) -> None:
+    """A trace.* key that this format does not read is an error, not silently ignored."""
+    default = TraceSpec(path=spec.path)
+    untimed = not fmt.has_timestamps or fmt.has_sessions  # arrivals come from the process
+    unread = [
+        ("trace.share_preamble", spec.share_preamble != default.share_preamble and fmt.name != "agentic",
+         "only agentic sessions have a preamble"),
+        ("trace.timing", spec.timing != default.timing and not fmt.has_sessions,
+         f"{fmt.name} requests are independent (no closed loop)"),
+        ("trace.arrival_process", spec.arrival_process != default.arrival_process and not untimed,
+         f"{fmt.name} records its own arrival times"),
+        ("trace.arrival_rate_rps", spec.arrival_rate_rps != default.arrival_rate_rps and not untimed,
+         f"{fmt.name} records its own arrival times (trace.target_rate_rps rescales them)"),
+    ]
+    for key, unused, why in unread:
+        if unused:
+            raise ConfigError(f"{key} does not apply to this trace: {why}, key {key}, drop it")
+
+
 def timed_requests(spec: TraceSpec, fmt: TraceFormat, requests: list[TraceRequest],
                    seed: int) -> list[TraceRequest]:
     """Absolute arrivals after the arrival process, window, scaling and target rate."""
+    check_keys_apply(spec, fmt)
     if fmt.has_sessions:
         sessions = list(dict.fromkeys(r.session for r in requests))
         starts = dict(zip(sessions, _arrivals(spec, len(sessions), seed)))

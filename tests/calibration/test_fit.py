@@ -1,5 +1,6 @@
 """The torch-free fit: recovers a known model, imports Vidur's files, predicts in order."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,22 @@ def test_imported_h100_data_is_labelled_h100(tmp_path):
     (tmp_path / "in" / "h100__meta-llama_Meta-Llama-3-8B.csv").write_text(source.read_text())
     rows = import_directory(tmp_path / "in")
     assert {r["gpu"] for r in rows} == {"h100"}
+
+
+def test_profile_names_are_plain_one_gpu_and_match_a_packaged_gpu():
+    from calibration.gpus import check_profile_name
+    packaged = ["a100_40g", "a100_80g", "h100", "h200"]
+    check_profile_name("a100_80g", ["a100"], packaged)          # Vidur's folder name, same family
+    check_profile_name("my_h100", ["h100"], packaged)
+    for name, gpus, message in [("../x", ["h100"], "not a plain file name"),
+                                ("mine", ["foo", "h100"], "several GPUs"),
+                                ("h200", ["NVIDIA H100 80GB HBM3"], "use name=h100 or a name of your own")]:
+        with pytest.raises(KvsimError, match=re.escape(message)):
+            check_profile_name(name, gpus, packaged)
+
+
+def test_a_cut_vidur_file_is_one_line_naming_its_row(tmp_path):
+    text = (SAMPLE / "a100__meta-llama_Meta-Llama-3-8B.csv").read_text()
+    (tmp_path / "a100__cut.csv").write_text(text[:20000])
+    with pytest.raises(KvsimError, match=r"incomplete row \(empty values\), .*a100__cut.csv:\d+"):
+        import_directory(tmp_path)
