@@ -41,6 +41,8 @@ class TraceConfig:
     arrival_process: str = "poisson"
     arrival_rate_rps: float = 1.0
     on_overlength: str = "reject"
+    arrivals: str = "recorded"
+    max_total_tokens: Optional[int] = None
 
 
 @dataclass

@@ -245,3 +245,26 @@ def test_arrival_keys_apply_to_untimed_traces():
     workload = build_workload(TraceSpec(path="sample:sharegpt", arrival_process="constant",
                                         arrival_rate_rps=4.0, max_requests=5), 0)
     assert sorted(s.arrival_time_s for s in workload.sessions) == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_max_total_tokens_clips_as_vidur_does(tmp_path):
+    # Vidur's TraceRequestLengthGenerator: the excess over max_tokens comes off prompt and output
+    # in proportion, each rounded up, at least one token each.
+    from sim.workload.trace import clip_total
+    from sim.workload.mooncake import FORMAT
+    request = TraceRequest(0.0, 3000, 2000, tuple(range(6)))
+    clipped = clip_total(request, 4096, FORMAT)
+    assert (clipped.input_len, clipped.output_len) == (3000 - 543, 2000 - 362)   # excess 904
+    assert clipped.hash_ids == tuple(range(5))                                   # ceil(2457 / 512)
+    assert clip_total(TraceRequest(0.0, 10, 5), 4096, FORMAT) == TraceRequest(0.0, 10, 5)
+    small = clip_total(TraceRequest(0.0, 5000, 1), 100, FORMAT)
+    assert small.output_len == 1 and small.input_len + small.output_len <= 100
+
+
+def test_recorded_timestamps_can_give_way_to_an_arrival_process():
+    spec = dict(path="sample:azure_conv", max_requests=200, arrivals="process",
+                arrival_process="constant", arrival_rate_rps=2.0)
+    arrivals = sorted(s.arrival_time_s for s in build_workload(TraceSpec(**spec), 0).sessions)
+    assert arrivals[:3] == [0.0, 0.5, 1.0] and arrivals[-1] == pytest.approx(99.5)
+    with pytest.raises(KvsimError, match="trace.arrivals does not apply"):
+        build_workload(TraceSpec(path="sample:sharegpt", arrivals="process", max_requests=5), 0)

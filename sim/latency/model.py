@@ -76,6 +76,9 @@ class LatencyModel:
         self.num_dense_layers = model.num_layers - model.num_moe_layers
         self.prefill_dims = sum(model.attention_dims(decode=False))
         self.decode_dims = sum(model.attention_dims(decode=True))
+        # Steps repeat token counts far more often than shapes: memoize what depends on them.
+        self._per_token_count: dict[int, tuple[float, float, float]] = {}
+        self._lm_head: dict[int, float] = {}
 
     def _op(self, name: str, flops: float, nbytes: float, peak: float) -> float:
         eff = self.profile.op(name)
@@ -101,12 +104,17 @@ class LatencyModel:
         if tokens == 0:
             swap = {"swap": self.swap_time(shape.swap_tokens)} if shape.swap_tokens else {}
             return {"overhead": self.profile.step_overhead_s, **swap}
+        per_token = self._per_token_count.get(tokens)
+        if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
+            per_token = self._per_token_count[tokens] = self._token_ops(tokens)
+        lm_head = self._lm_head.get(shape.num_sampled)
+        if lm_head is None:
+            lm_head = self._lm_head[shape.num_sampled] = (
+                self._gemms(shape.num_sampled, [self.lm_head_gemm]) if shape.num_sampled else 0.0)
+        qkv_o_proj, mlp, allreduce = per_token
         times = {
-            "qkv_o_proj": m.num_layers * self._gemms(tokens, self.attention_gemms),
-            "mlp": (self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
-            + (m.num_moe_layers * self._mlp_moe(tokens) if m.num_moe_layers else 0.0),
-            "lm_head": self._gemms(shape.num_sampled, [self.lm_head_gemm]) if shape.num_sampled else 0.0,
-            "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": 0.0,
+            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": lm_head,
+            "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
             "overhead": self.profile.step_overhead_s,
         }
         if shape.num_prefill_tokens:
@@ -121,9 +129,17 @@ class LatencyModel:
                 "attention_decode", flops, nbytes, self.attn_peak)
         if shape.swap_tokens:
             times["swap"] = self.swap_time(shape.swap_tokens)
-        if self.tp > 1:
-            times["allreduce"] = 2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
         return times
+
+    def _token_ops(self, tokens: int) -> tuple[float, float, float]:
+        """(QKV and O projections, MLP, all-reduce) seconds for a step of `tokens` tokens."""
+        m = self.model
+        qkv_o_proj = m.num_layers * self._gemms(tokens, self.attention_gemms)
+        mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
+               + (m.num_moe_layers * self._mlp_moe(tokens) if m.num_moe_layers else 0.0))
+        allreduce = (2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
+                     if self.tp > 1 else 0.0)
+        return qkv_o_proj, mlp, allreduce
 
     def swap_time(self, num_tokens: int) -> float:
         """Each rank moves its share of the tokens' KV over its own host link."""

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 READERS = {"mooncake": mooncake, "azure": azure, "agentic": agentic, "burstgpt": burstgpt,
            "length_stats": length_stats}
 FORMATS = ("auto", *READERS)
-SAMPLES = {"mooncake": "mooncake_conversation.jsonl", "azure": "azure_code.csv",
+SAMPLES = {"mooncake": "mooncake_conversation.jsonl", "azure": "azure_code.csv", "azure_conv": "azure_conv.csv",
            "agentic": "agentic", "sharegpt": "sharegpt_length_stats.csv"}
 
 
@@ -51,6 +51,8 @@ class TraceSpec:
     arrival_process: str = "poisson"
     arrival_rate_rps: float = 1.0
     on_overlength: str = "reject"  # applied by the run (sim.workload.overlength), not the reader
+    arrivals: str = "recorded"     # recorded: the trace's timestamps; process: trace.arrival_process
+    max_total_tokens: int | None = None  # clip prompt + output as Vidur's max_tokens does
 
     def __post_init__(self):
         checks = [
@@ -72,6 +74,10 @@ class TraceSpec:
              "trace.target_rate_rps must be > 0", "trace.target_rate_rps", "give a positive rate or null"),
             (self.max_requests is None or self.max_requests >= 1, "trace.max_requests must be >= 1",
              "trace.max_requests", "give a positive count or null"),
+            (self.arrivals in ("recorded", "process"), f"unknown trace.arrivals '{self.arrivals}'",
+             "trace.arrivals", "use recorded or process"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 2,
+             "trace.max_total_tokens must be >= 2", "trace.max_total_tokens", "give a token count or null"),
         ]
         for ok, what, key, fix in checks:
             if not ok:
@@ -191,8 +197,10 @@ def _arrivals(spec: TraceSpec, count: int, seed: int) -> np.ndarray:
 def check_keys_apply(spec: TraceSpec, fmt: TraceFormat) -> None:
     """A trace.* key that this format does not read is an error, not silently ignored."""
     default = TraceSpec(path=spec.path)
-    untimed = not fmt.has_timestamps or fmt.has_sessions  # arrivals come from the process
+    untimed = not fmt.has_timestamps or fmt.has_sessions or spec.arrivals == "process"
     unread = [
+        ("trace.arrivals", spec.arrivals != default.arrivals and (fmt.has_sessions or not fmt.has_timestamps),
+         f"{fmt.name} arrivals (or session starts) always come from trace.arrival_process"),
         ("trace.share_preamble", spec.share_preamble != default.share_preamble and fmt.name != "agentic",
          "only agentic sessions have a preamble"),
         ("trace.timing", spec.timing != default.timing and not fmt.has_sessions,
@@ -207,6 +215,22 @@ def check_keys_apply(spec: TraceSpec, fmt: TraceFormat) -> None:
             raise ConfigError(f"{key} does not apply to this trace: {why}, key {key}, drop it")
 
 
+def clip_total(request: TraceRequest, max_tokens: int, fmt: TraceFormat) -> TraceRequest:
+    """Prompt + output at most max_tokens, the excess taken from both in proportion (rounded
+    up), at least one token each: Vidur's TraceRequestLengthGenerator (microsoft/vidur)."""
+    total = request.input_len + request.output_len
+    excess = max(0, total - max_tokens)
+    if not excess:
+        return request
+    prompt = max(1, request.input_len - math.ceil(excess * request.input_len / total))
+    output = max(1, request.output_len - math.ceil(excess * request.output_len / total))
+    hash_ids = request.hash_ids
+    if hash_ids and fmt.block_size:  # keep the ids of the blocks the shorter prompt still has
+        blocks = -(-prompt // fmt.block_size) if fmt.covers_partial_block else prompt // fmt.block_size
+        hash_ids = hash_ids[:blocks]
+    return replace(request, input_len=prompt, output_len=output, hash_ids=hash_ids)
+
+
 def timed_requests(spec: TraceSpec, fmt: TraceFormat, requests: list[TraceRequest],
                    seed: int) -> list[TraceRequest]:
     """Absolute arrivals after the arrival process, window, scaling and target rate."""
@@ -215,8 +239,10 @@ def timed_requests(spec: TraceSpec, fmt: TraceFormat, requests: list[TraceReques
         sessions = list(dict.fromkeys(r.session for r in requests))
         starts = dict(zip(sessions, _arrivals(spec, len(sessions), seed)))
         requests = [replace(r, arrival_s=starts[r.session] + r.arrival_s) for r in requests]
-    elif not fmt.has_timestamps:
+    elif not fmt.has_timestamps or spec.arrivals == "process":
         requests = [replace(r, arrival_s=t) for r, t in zip(requests, _arrivals(spec, len(requests), seed))]
+    if spec.max_total_tokens is not None:
+        requests = [clip_total(r, spec.max_total_tokens, fmt) for r in requests]
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep trace order
     if spec.start_s is not None or spec.end_s is not None:
         low = spec.start_s if spec.start_s is not None else -math.inf
