@@ -1,0 +1,19 @@
+"""The speed benchmarks run in their quick mode, to check that they work (never timed here)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+import bench_suite  # noqa: E402
+
+
+def test_quick_benchmarks_run_and_report_every_figure(capsys):
+    rows = bench_suite.main(["--quick", "vidur_matched", "rag_agents_100k"])
+    assert [(r["benchmark"], r["allocator"]) for r in rows] == [
+        ("vidur_matched", "paged"), ("rag_agents_100k", "prefix"), ("rag_agents_100k", "paged")]
+    assert rows[0]["requests"] == 1000                       # trace.max_requests=1000, all served
+    for row in rows:
+        assert row["wall_s"] > 0 and row["peak_rss_mb"] > 0 and row["tokens"] > row["requests"]
+        assert row["events"] >= row["steps"] > 0             # at least one SimPy event per step
+    printed = capsys.readouterr().out
+    assert "events/s" in printed and printed.count("\n") == 4
