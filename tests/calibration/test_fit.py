@@ -174,3 +174,15 @@ def test_a_cut_vidur_file_is_one_line_naming_its_row(tmp_path):
     (tmp_path / "a100__cut.csv").write_text(text[:20000])
     with pytest.raises(KvsimError, match=r"incomplete row \(empty values\), .*a100__cut.csv:\d+"):
         import_directory(tmp_path)
+
+
+def test_calibration_run_without_torch_says_what_to_install(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['calibration', 'run']; "
+            "from calibration.__main__ import main; main()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: python -m calibration run needs torch and triton (torch is not installed), command line, "
+        "install them first: pip install torch==2.13.0 triton==3.7.1 (fit, import-vidur, predict and "
+        "show need neither)"]
+    assert list(tmp_path.iterdir()) == []
