@@ -69,6 +69,8 @@ class Staging:
         self.overrides = list(overrides)
         self.final, self.staging, self.sweep_dir = final, staging, sweep_dir
         self.created_root = created_root
+        # What a sweep folder already held: never touched when cleaning up after a failure.
+        self.preexisting = set(sweep_dir.iterdir()) if sweep_dir is not None and sweep_dir.is_dir() else set()
 
     @classmethod
     def plan(cls, composed, argv: list[str], overrides: list[str]) -> "Staging":
@@ -79,10 +81,12 @@ class Staging:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
             created_root = _first_missing(sweep)
-            _make_folder(sweep, "hydra.sweep.dir")
             params = hydra_cfg.get("sweeper", {}).get("params") or {}
-            os.environ[SWEEP_JOBS_ENV] = str(num_sweep_jobs(overrides, dict(params)))
-            return cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root)
+            jobs = num_sweep_jobs(overrides, dict(params))
+            planned = cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root)
+            _make_folder(sweep, "hydra.sweep.dir")
+            os.environ[SWEEP_JOBS_ENV] = str(jobs)
+            return planned
         final = Path(hydra_cfg.run.dir).absolute()
         if final.exists() and not final.is_dir():
             raise KvsimError(f"{final} is a file, key hydra.run.dir, name a folder")
@@ -121,11 +125,14 @@ class Staging:
             shutil.rmtree(self.staging, ignore_errors=True)
             self._remove_empty_parents(self.staging.parent)
         elif self.sweep_dir is not None and self.sweep_dir.is_dir():
-            for job in self.sweep_dir.iterdir():  # jobs stopped before they finished
+            for job in set(self.sweep_dir.iterdir()) - self.preexisting:  # stopped half-way
                 if job.is_dir() and not any((job / name).is_file() for name in JOB_DONE_FILES):
                     shutil.rmtree(job, ignore_errors=True)
-            if not any(p.is_dir() for p in self.sweep_dir.iterdir()):
-                if self.created_root is not None:  # no job succeeded: the sweep folder goes too
+            added = set(self.sweep_dir.iterdir()) - self.preexisting
+            if not any(p.is_dir() for p in added):  # no job succeeded: what the sweep added goes
+                for path in added:
+                    path.unlink(missing_ok=True)
+                if self.created_root is not None:
                     shutil.rmtree(self.sweep_dir, ignore_errors=True)
                     self._remove_empty_parents(self.sweep_dir.parent)
 

@@ -223,3 +223,10 @@ def test_a_run_into_an_existing_folder_keeps_the_files_it_does_not_write(tmp_pat
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "mine" / "paged" / "notes.txt").read_text() == "keep"
     assert (tmp_path / "mine" / "paged" / "metrics.json").is_file()
+
+
+def test_a_failed_sweep_into_an_existing_folder_leaves_its_other_folders_alone(tmp_path):
+    (tmp_path / "mine" / "notes").mkdir(parents=True)
+    out = sim(tmp_path, "run", "-m", "+experiment=golden", "block_size=2000,3000", "hydra.sweep.dir=mine")
+    assert out.returncode == 2
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes"]
