@@ -19,7 +19,8 @@ from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
 from sim.errors import UnknownNameError
-from sim.latency.profile import load_profile
+from sim.latency.profile import load_profile, packaged_profiles
+from sim.staging import first_missing
 
 PACKAGED = "calibration/profiles"
 
@@ -36,21 +37,17 @@ def profile_json(name: str) -> dict:
 def _datasheet(name: str) -> dict:
     packaged = resources.files("calibration") / "profiles" / f"{name}.json"
     if not packaged.is_file():
-        raise UnknownNameError("base GPU profile", name, _packaged_profiles(), "key base")
+        raise UnknownNameError("base GPU profile", name, packaged_profiles(), "key base")
     return json.loads(packaged.read_text())
-
-
-def _packaged_profiles() -> list[str]:
-    folder = resources.files("calibration") / "profiles"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
 def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: str,
                    raw_rows: list[dict] | None = None) -> Path:
     """Fit, then write raw.csv (if given), profile.json and the report: all of them or none."""
     gpu_names = sorted(str(g) for g in frame["gpu"].dropna().unique()) if "gpu" in frame else []
-    check_profile_name(cfg.name, gpu_names, _packaged_profiles())
-    base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, _packaged_profiles()))
+    packaged = packaged_profiles()
+    check_profile_name(cfg.name, gpu_names, packaged)
+    base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, packaged))
     versions = {k: str(frame[k].dropna().iloc[0]) for k in ("driver", "torch", "triton")
                 if k in frame and frame[k].notna().any()}
     profile, report = fit_profile(frame, base, name=cfg.name, source=source, origin=origin,
@@ -59,7 +56,7 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
         profile["gpu_name"] = ", ".join(gpu_names)  # what the data says, not the base's name
     folder = Path(cfg.out_dir) / cfg.name
     staging = folder.parent / f".{folder.name}.partial-{os.getpid()}"
-    created = next((p for p in reversed((folder, *folder.parents)) if not p.exists()), None)
+    created = first_missing(folder)
     written = False
     try:
         staging.mkdir(parents=True, exist_ok=True)

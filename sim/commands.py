@@ -59,12 +59,16 @@ def run_task(cfg: DictConfig) -> None:
         print(progress, file=sys.stderr)
 
 
+def user_keys() -> list[tuple[str, str]]:
+    """(override, its dotted key) for each key=value the user gave this command."""
+    return [(o, o.lstrip("+~").split("=", 1)[0]) for o in HydraConfig.get().overrides.task]
+
+
 def check_keys_are_read(cfg: DictConfig, choices) -> None:
     """A key the user set that nothing in this run reads is an error, not silently ignored."""
     scenario = choices.get("scenario")
     allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
-    for override in HydraConfig.get().overrides.task:
-        key = override.lstrip("+~").split("=", 1)[0]
+    for override, key in user_keys():
         if override.startswith("+") and key.split(".")[0] not in OPEN_NODES:
             raise ConfigError(f"{key} is not a key of python -m sim run, override '{override}', "
                               f"drop it (python -m sim run --help lists the keys)")
@@ -150,8 +154,7 @@ def trace_stats_task(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} is negative, key seed, use 0 or a positive integer")
-    for override in HydraConfig.get().overrides.task:  # run keys are accepted, not read here
-        key = override.lstrip("+~").split("=", 1)[0]
+    for override, key in user_keys():  # run keys are accepted, not read here
         if key.split(".")[0] not in TRACE_STATS_KEYS:
             raise ConfigError(f"trace-stats does not read {key}, override '{override}', "
                               f"use {', '.join(sorted(TRACE_STATS_KEYS))} (or python -m sim run)")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from hydra.types import RunMode
 
 from sim.errors import KvsimError
 from sim.results import COMPARISON_FILE, _atomic, write_csv
@@ -81,7 +82,7 @@ def run_title(cfg, hydra_cfg=None) -> str:
     title = (f"scenario={scenario} model={cfg.model.name} gpu={cfg.gpu} "
              f"tensor_parallel_size={cfg.tensor_parallel_size} "
              f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
-    if hydra_cfg is not None and str(hydra_cfg.mode) == "RunMode.MULTIRUN":
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
         swept = " ".join(o for o in hydra_cfg.overrides.task if not o.startswith("hydra"))
         title += f" | job {hydra_cfg.job.num}: {swept}"
     return title

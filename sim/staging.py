@@ -37,7 +37,7 @@ def _merge(source: Path, target: Path) -> None:
             os.replace(entry, destination)
 
 
-def _first_missing(path: Path) -> Path | None:
+def first_missing(path: Path) -> Path | None:
     """The topmost ancestor of path (path included) that does not exist yet."""
     missing = None
     for candidate in (path, *path.parents):
@@ -80,7 +80,7 @@ class Staging:
         if "-m" in argv or "--multirun" in argv:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
-            created_root = _first_missing(sweep)
+            created_root = first_missing(sweep)
             params = hydra_cfg.get("sweeper", {}).get("params") or {}
             jobs = num_sweep_jobs(overrides, dict(params))
             planned = cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root)
@@ -91,7 +91,7 @@ class Staging:
         if final.exists() and not final.is_dir():
             raise KvsimError(f"{final} is a file, key hydra.run.dir, name a folder")
         staging = final.parent / f".{final.name}.partial-{os.getpid()}"
-        created_root = _first_missing(final)
+        created_root = first_missing(final)
         _make_folder(staging, "hydra.run.dir")
         os.environ[RUN_DIR_ENV] = str(final)
         return cls([f"hydra.run.dir={_quoted(staging)}"], final=final, staging=staging,

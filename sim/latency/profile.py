@@ -53,9 +53,14 @@ def _local_path(name: str) -> Path:
     return Path("results") / "calibration" / name / "profile.json"
 
 
+def packaged_profiles() -> list[str]:
+    """Profiles shipped in calibration/profiles/ (datasheet and imported ones)."""
+    return sorted(p.name[:-5] for p in (resources.files("calibration") / "profiles").iterdir()
+                  if p.name.endswith(".json"))
+
+
 def available_profiles() -> list[str]:
-    names = {p.name[:-5] for p in (resources.files("calibration") / "profiles").iterdir()
-             if p.name.endswith(".json")}
+    names = set(packaged_profiles())
     local = Path("results") / "calibration"
     if local.is_dir():
         names |= {p.parent.name for p in local.glob("*/profile.json")}
