@@ -85,6 +85,7 @@ class RunConfig:
     plots: bool = True
     quiet: bool = False
     progress: bool = True
+    step_exact: bool = False
 
 
 @dataclass
@@ -144,6 +145,7 @@ class EngineSpec:
     on_overlength: str
     warmup_s: float
     exclude_drain: bool
+    step_exact: bool = False
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -205,4 +207,4 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]),
         preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30,
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
-        exclude_drain=c["measure"]["exclude_drain"])
+        exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"])

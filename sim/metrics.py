@@ -1,4 +1,4 @@
-"""Collectors for one simulation run, turned into pandas tables and the metrics.json summary.
+"""The metrics.json summary of one run's request and timeline tables (sim.recorder builds them).
 
 Definitions (issue 2 / DESIGN.md): TTFT = end of the step that computed the last prompt token
 minus arrival (a session turn arrives when it becomes eligible); TPOT = (e2e - TTFT) / (output
@@ -25,64 +25,9 @@ import pandas as pd
 
 from sim.errors import ConfigError
 from sim.kvcache.base import USAGE_FIELDS
+from sim.recorder import TIMELINE_COLUMNS
 
-REQUEST_COLUMNS = ("request_id", "session_id", "turn", "replica", "status", "arrival_time_s",
-                   "first_token_time_s", "finish_time_s", "prompt_tokens", "output_tokens",
-                   "total_output_tokens", "num_samples", "prefix_hit_tokens", "num_preemptions",
-                   "requested_output_tokens")
-TIMELINE_COLUMNS = ("replica", "time_s", "capacity", *USAGE_FIELDS, "batch_size",
-                    "num_batched_tokens", "num_running", "num_waiting", "num_preempted",
-                    "num_swapped_tokens", "num_output_tokens")
-
-
-class Recorder:
-    def __init__(self):
-        self.requests: list[tuple] = []
-        self.timeline: list[tuple] = []
-        self.itl_samples: list[tuple[float, float, int]] = []
-
-    def record_initial(self, replica: int, time_s: float, allocator) -> None:
-        usage = allocator.usage(None)
-        self.timeline.append((replica, time_s, usage.capacity, *usage.as_tuple(), 0, 0, 0, 0, 0, 0, 0))
-
-    def record_step(self, replica: int, time_s: float, plan, scheduler) -> None:
-        usage = scheduler.allocator.usage(scheduler.first_waiting)
-        self.timeline.append((
-            replica, time_s, usage.capacity, *usage.as_tuple(), len(plan.scheduled),
-            plan.shape.num_tokens, len(scheduler.running), len(scheduler.waiting),
-            plan.num_preempted, plan.shape.swap_tokens, scheduler.num_sampled))
-
-    def record_itl(self, samples) -> None:
-        """A replica's inter-token gaps (time_s, gap_s, count), collected once at the end."""
-        self.itl_samples.extend(samples)
-
-    def record_finished(self, samples) -> None:
-        """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
-        first = samples[0]
-        r = first.request
-        self.requests.append((
-            r.request_id, r.session_id, r.turn, first.replica, "finished", first.arrival_time_s,
-            min(s.first_token_time_s for s in samples), max(s.finish_time_s for s in samples),
-            r.prompt_len, max(s.num_output for s in samples), sum(s.num_output for s in samples),
-            len(samples), first.prefix_hit_tokens, sum(s.num_preemptions for s in samples),
-            r.output_len))
-
-    def record_rejected(self, request, time_s: float) -> None:
-        self.requests.append((request.request_id, request.session_id, request.turn, -1,
-                              "rejected", time_s, math.nan, math.nan, request.prompt_len, 0, 0,
-                              request.n, 0, 0, request.output_len))
-
-    def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
-        requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
-        requests = requests.sort_values("request_id", kind="stable").reset_index(drop=True)
-        requests["ttft_s"] = requests.first_token_time_s - requests.arrival_time_s
-        requests["e2e_s"] = requests.finish_time_s - requests.arrival_time_s
-        multi = requests.output_tokens > 1
-        requests["tpot_s"] = np.where(
-            multi, (requests.e2e_s - requests.ttft_s) / (requests.output_tokens - 1).clip(lower=1), np.nan)
-        timeline = pd.DataFrame.from_records(self.timeline, columns=TIMELINE_COLUMNS)
-        return requests, timeline
-
+__all__ = ["TIMELINE_COLUMNS", "summarize", "kv_fractions", "weighted_percentiles", "flatten"]
 
 def _percentiles(values: pd.Series) -> dict[str, float]:
     data = values.dropna().to_numpy()
@@ -157,7 +102,7 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict[str, f
 
 
 def _itl(samples, window: Window) -> dict[str, float]:
-    data = np.array(samples, dtype=float).reshape(-1, 3)
+    data = np.asarray(samples, dtype=float).reshape(-1, 3)
     inside = (data[:, 0] > window.start_s) & (data[:, 0] <= window.end_s)
     return weighted_percentiles(data[inside, 1], data[inside, 2])
 
@@ -178,7 +123,8 @@ def _unserved(requests: pd.DataFrame, num_workload_requests: int, counts: dict) 
 def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: float,
               gpu: str, profile_source: str, warmup_s: float = 0.0, exclude_drain: bool = False,
               itl_samples=(), num_workload_requests: int | None = None,
-              workload_counts: dict | None = None, last_session_arrival_s: float | None = None) -> dict:
+              workload_counts: dict | None = None, last_session_arrival_s: float | None = None,
+              max_model_len: int | None = None, workload_facts: dict | None = None) -> dict:
     done = requests[requests.status == "finished"]
     window = measurement_window(requests, warmup_s, exclude_drain, last_session_arrival_s)
     duration = window.duration_s
@@ -231,6 +177,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                       "num_steps": int(len(steps)),
                       "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
         "latency_profile": {"gpu": gpu, "source": profile_source},
+        **({} if max_model_len is None else {"max_model_len": max_model_len}),
+        **({} if workload_facts is None else {"workload": workload_facts}),
     }
 
 

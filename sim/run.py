@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from importlib import resources
 
 import pandas as pd
-import simpy
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +21,10 @@ from sim.engine.cluster import Cluster
 from sim.engine.replica import Replica
 from sim.errors import ConfigError, UnknownNameError
 from sim.latency import LatencyModel, load_profile
-from sim.metrics import Recorder, summarize
+from sim.engine.clock import Environment
+from sim.engine.records import StepRecord
+from sim.metrics import summarize
+from sim.recorder import Recorder
 from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
 from sim.progress import progress_bar
 from sim.scheduler import Scheduler, SchedulerSpec
@@ -176,7 +178,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     """One allocator's run; on_progress(now) is called once per request served or rejected."""
     started = time.perf_counter()
     spec = setup.spec
-    env = simpy.Environment()
+    env = Environment()
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
     cluster = Cluster(env, router, recorder, spec.max_model_len)
@@ -190,16 +192,15 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     for index in range(spec.num_replicas):
         allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
                                  pool=setup.pool, max_model_len=spec.max_model_len)
-        recorder.record_initial(index, first_arrival, allocator)
-        cluster.add_replica(Replica(env, index, Scheduler(scheduler_spec, allocator),
-                                    setup.latency, recorder, cluster.on_finish))
+        scheduler = Scheduler(scheduler_spec, allocator)
+        recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
+        cluster.add_replica(Replica(env, index, scheduler, setup.latency, recorder,
+                                    cluster.on_finish, spec.step_exact))
     cluster.start(workload)
     if on_progress is not None:
         cluster.on_progress = on_progress
     env.run()
     wall_time_s = time.perf_counter() - started
-    for replica in cluster.replicas:
-        recorder.record_itl(replica.scheduler.itl_samples)
     requests, timeline = recorder.tables()
     counts = {"truncated_prompt": workload.num_truncated_prompts,
               "skipped_malformed_records": workload.num_skipped_records,
@@ -207,14 +208,14 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
                         gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
                         warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
-                        itl_samples=recorder.itl_samples,
+                        itl_samples=recorder.itl_samples(),
                         num_workload_requests=workload.num_requests, workload_counts=counts,
                         last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
-                                                   default=0.0))
-    metrics["max_model_len"] = spec.max_model_len
-    metrics["workload"] = {"num_skipped_records": workload.num_skipped_records,
-                           "num_failed_requests": workload.num_failed_requests,
-                           "trace_format": workload.trace_format}
+                                                   default=0.0),
+                        max_model_len=spec.max_model_len,
+                        workload_facts={"num_skipped_records": workload.num_skipped_records,
+                                        "num_failed_requests": workload.num_failed_requests,
+                                        "trace_format": workload.trace_format})
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
 

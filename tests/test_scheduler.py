@@ -19,7 +19,7 @@ def add(scheduler, request_id, prompt, output, content=None, max_model_len=64):
 
 def step(scheduler, now):
     plan = scheduler.schedule()
-    return plan, scheduler.commit(plan, now)
+    return plan, scheduler.commit(plan, now).finished
 
 
 def test_preempts_the_newest_running_sequence_and_admits_nothing_that_step():

@@ -34,7 +34,7 @@ class Cluster:
         request = session.turns[turn]
         if request.prompt_len > self.max_model_len:
             # vLLM rejects such a prompt at once; the client goes on with its next turn.
-            self.recorder.record_rejected(request, self.env.now)
+            self.recorder.append_rejected(request, self.env.now)
             self.on_progress(self.env.now)
             self._next_turn(session, turn + 1)
             return
@@ -50,7 +50,7 @@ class Cluster:
             if len(samples) < seq.request.n:
                 return
             del self._samples[seq.request.request_id]
-        self.recorder.record_finished(samples)
+        self.recorder.append_finished(samples)
         self.on_progress(self.env.now)
         self._next_turn(self._sessions[seq.request.session_id, seq.request.chain], seq.request.turn + 1)
 

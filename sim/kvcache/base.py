@@ -1,7 +1,9 @@
-"""Shared result objects of the allocators."""
+"""Shared result objects of the allocators, and the arithmetic of decode stretches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 USAGE_FIELDS = ("token_states", "reserved", "internal_frag", "external_frag", "cached_idle", "free")
 
@@ -47,3 +49,48 @@ def slack_split(allocated: int, computed: int, final_len: int) -> tuple[int, int
     """
     reserved = max(0, min(allocated, final_len) - computed)
     return reserved, allocated - computed - reserved
+
+
+def advance_decode_token_by_token(allocator, seqs, num_steps: int, first_waiting) -> list[tuple]:
+    """Memory for a decode stretch, one allocate per sequence per step: the usage after each of
+    num_steps steps (the first already allocated), then the allocation of the step after them."""
+    rows = []
+    allocate, usage = allocator.allocate, allocator.usage
+    for _ in range(num_steps):
+        rows.append(usage(first_waiting).as_tuple())
+        for seq in seqs:
+            if allocate(seq, 1) is None:
+                raise AssertionError(f"decode stretch ran out of memory at sequence {seq.seq_id}")
+    return rows
+
+
+def decode_units_needed(allocated: int, slots: int, unit: int, steps: int) -> int:
+    """Units (blocks, pages) a sequence with `allocated` tokens in `slots` slots takes over the
+    next `steps` - 1 decode steps (the first step's token is already allocated)."""
+    return max(0, -(-(allocated + steps - 1 - slots) // unit))
+
+
+def last_step_that_fits(seqs_state, free_units: int, unit: int, limit: int) -> int:
+    """The largest k <= limit whose decode steps 2..k find units: seqs_state is a list of
+    (allocated tokens, slots) per sequence."""
+    def needed(steps: int) -> int:
+        return sum(decode_units_needed(a, c, unit, steps) for a, c in seqs_state)
+    if needed(limit) <= free_units:
+        return limit
+    low, high = 1, limit  # needed(low) <= free_units < needed(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if needed(middle) <= free_units:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def decode_slack_rows(allocated: np.ndarray, slots: np.ndarray, final_len: np.ndarray) -> tuple:
+    """Reserved and internal-fragmentation slots summed over sequences, one total per step:
+    allocated and slots are (sequences x steps), final_len one L per sequence (slack_split on
+    arrays)."""
+    reserved = np.maximum(0, np.minimum(slots, final_len[:, None]) - allocated)
+    internal = slots - allocated - reserved
+    return reserved.sum(axis=0), internal.sum(axis=0)

@@ -24,7 +24,10 @@ from collections import OrderedDict, deque
 from typing import NamedTuple
 
 from sim.errors import ConfigError
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+import numpy as np
+
+from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token,
+                              decode_slack_rows, last_step_that_fits, slack_split)
 from sim.kvcache.eviction import EVICTION_POLICIES
 
 
@@ -150,6 +153,83 @@ class BlockAllocator:
         if self.enable_caching:
             self._key_full_blocks(seq, table, end)
         return new_blocks
+
+    # A blocked admission stays blocked while running sequences only grow: free blocks only
+    # shrink, and a prefix hit only shrinks as its blocks are evicted (each lost block adds one
+    # to the need and at most one to what is free).
+    admission_stays_blocked = True
+
+    def decode_steps_that_fit(self, seqs, limit: int) -> int:
+        """The largest k <= limit such that decode steps 2..k of seqs (one token each, step 1
+        already allocated) all find blocks; 1 when a pending copy-on-write would need more."""
+        size, ref_count, state = self.block_size, self.ref_count, []
+        for seq in seqs:
+            table, allocated = self.tables[seq.seq_id], self.num_allocated_tokens[seq.seq_id]
+            if allocated % size and ref_count[table[-1]] > 1:
+                return 1
+            state.append((allocated, len(table) * size))
+        return last_step_that_fits(state, len(self.free_queue), size, limit)
+
+    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
+        """As num_steps rounds of usage() then allocate(seq, 1) for each seq, with the same
+        state after: blocks are taken and full blocks keyed in the same order (step by step,
+        sequence by sequence), and the slack totals are recomputed from the sequences' ends."""
+        if self.forked:  # tails shared between samples: count them one token at a time
+            return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
+        size, tables, allocated_of = self.block_size, self.tables, self.num_allocated_tokens
+        ids = [seq.seq_id for seq in seqs]
+        allocated = np.array([allocated_of[i] for i in ids], dtype=np.int64)
+        slots = np.array([len(tables[i]) for i in ids], dtype=np.int64) * size
+        final_len = np.array([self.final_len[i] for i in ids], dtype=np.int64)
+        ends = allocated[:, None] + np.arange(num_steps + 1)  # after each round's allocation
+        slots_at = np.maximum(slots[:, None], -(-ends // size) * size)
+        reserved_before, internal_before = decode_slack_rows(ends[:, :1], slots_at[:, :1], final_len)
+        reserved, internal = decode_slack_rows(ends, slots_at, final_len)
+        reserved += self.total_reserved - reserved_before[0]  # sequences outside the batch
+        internal += self.total_internal - internal_before[0]
+        new_blocks = (slots_at - slots[:, None]) // size
+        num_free = len(self.free_queue) - new_blocks.sum(axis=0)
+        cached_free = self._take_decode_blocks(seqs, allocated, slots, num_steps)
+        for i, seq_id in enumerate(ids):
+            allocated_of[seq_id] = int(ends[i, -1])
+        self.total_reserved, self.total_internal = int(reserved[-1]), int(internal[-1])
+        rows = []
+        for step in range(num_steps):
+            free, idle = int(num_free[step]) * size, cached_free[step] * size
+            rows.append(((self.num_blocks * size - free) - int(reserved[step]) - int(internal[step]),
+                         int(reserved[step]), int(internal[step]), 0, idle, free - idle))
+        return rows
+
+    def _take_decode_blocks(self, seqs, allocated: np.ndarray, slots: np.ndarray,
+                            num_steps: int) -> list[int]:
+        """The block and keying events of rounds 1..num_steps in allocate's order; returns the
+        cached free blocks left after each round 0..num_steps - 1."""
+        size, caching = self.block_size, self.enable_caching
+        # (round, sequence index, end, takes a block): allocate's slow path at the first token
+        # past the last block, its fast path keying a block the token fills (size 1: both at once)
+        events = []
+        for index, (start, have) in enumerate(zip(allocated.tolist(), slots.tolist())):
+            last = start + num_steps
+            events.extend((end - start, index, end, True) for end in range(have + 1, last + 1, size))
+            if caching and size > 1:
+                first_key = (start // size + 1) * size
+                events.extend((end - start, index, end, False) for end in range(first_key, last + 1, size))
+        events.sort()
+        cached_free, done = [self.num_cached_free], 1
+        for step, index, end, takes_block in events:
+            while done < step:
+                cached_free.append(self.num_cached_free)
+                done += 1
+            seq = seqs[index]
+            table = self.tables[seq.seq_id]
+            if takes_block:
+                table.extend(self._take_blocks(1))
+            if caching:
+                self._key_full_blocks(seq, table, end)
+        while done < num_steps:
+            cached_free.append(self.num_cached_free)
+            done += 1
+        return cached_free[:num_steps]
 
     def fork(self, parent, child) -> bool:
         """Share all of parent's blocks with a new sequence `child` (always fits)."""

@@ -18,7 +18,7 @@ it), plus, while a request waits, every hole too small for it.
 from __future__ import annotations
 
 from sim.errors import ConfigError
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token, slack_split
 from sim.kvcache.placement import PLACEMENTS
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
@@ -106,6 +106,14 @@ class ContiguousAllocator:
         self.total_tokens += num_new_tokens
         self._add_slack(seq_id, after)
         return new
+
+    admission_stays_blocked = True  # nothing is placed or released while sequences only decode
+
+    def decode_steps_that_fit(self, seqs, limit: int) -> int:
+        return limit  # a reservation covers every token up to the final length
+
+    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
+        return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
 
     def fork(self, parent, child) -> bool:
         """A contiguous cache cannot share: the child gets its own extent and a copy."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 import heapq
 
 from sim.errors import ConfigError
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, slack_split
+from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token,
+                              last_step_that_fits, slack_split)
 from sim.kvcache.eviction import EVICTION_POLICIES
 
 
@@ -125,6 +126,19 @@ class RadixAllocator:
         if num_new_tokens > 1:  # a prefill chunk: cache its full pages now
             self._insert(seq, end)
         return (need,) if need else ()
+
+    admission_stays_blocked = False  # a lookup splits edges and counts hits
+
+    def decode_steps_that_fit(self, seqs, limit: int) -> int:
+        """Decode tokens take private pages, evicting unlocked cached ones when none are free."""
+        page = self.page_size
+        state = [(self.num_allocated_tokens[s.seq_id],
+                  -(-self.num_allocated_tokens[s.seq_id] // page) * page) for s in seqs]
+        available = (self.free_slots + self.tree_slots - self.locked_slots) // page
+        return last_step_that_fits(state, available, page, limit)
+
+    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
+        return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
 
     def fork(self, parent, child) -> bool:
         """A new sequence sharing parent's cached path; its private pages are copied."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from sim.latency.calibrated import calibrated_gemm
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
@@ -159,3 +161,20 @@ class LatencyModel:
 
     def step_time(self, shape: BatchShape) -> float:
         return sum(self.breakdown(shape).values())
+
+    def decode_step_times(self, num_seqs: int, decode_context_tokens: np.ndarray) -> np.ndarray:
+        """step_time of decode-only steps of num_seqs sequences, one per context total, bit for
+        bit: the same operations in the same order as breakdown() and its sum, on arrays."""
+        probe = self.breakdown(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1,
+                                          num_sampled=num_seqs))
+        before = 0  # sum() adds left to right from 0; attention_decode comes fifth
+        for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
+            before = before + probe[name]
+        eff = self.profile.op("attention_decode")
+        context = np.asarray(decode_context_tokens, dtype=np.float64)
+        flops = 2.0 * self.heads_per_rank * self.decode_dims * context
+        nbytes = context * self.kv_bytes_per_token_layer_rank
+        attention = self.model.num_layers * (eff.t0_s + np.maximum(
+            flops / (self.attn_peak * eff.compute_efficiency),
+            nbytes / (self.bw * eff.memory_efficiency)))
+        return before + attention + probe["allreduce"] + probe["overhead"]

@@ -14,11 +14,19 @@ scheduled; `watermark` keeps that share of the pool free when admitting while ot
 With reserve_full_isl=false, a first chunk that fits admits (vLLM v1 before the option). With chunked prefill a prompt is split
 across steps to fit the budget; without it a prompt is scheduled whole. A request with n > 1
 forks its other samples once its prompt is computed (they share the prompt's KV).
+
+Decode stretches: when a plan only decodes every running sequence and nothing can join (no
+waiting request, or a head of queue that stays blocked while the batch only grows), the next
+steps repeat it with one more token each until the first sequence finishes or memory for a next
+token runs out. `decode_stretch` says how many steps that is; `advance_decode` applies all but
+the last of them at once (the last is committed as usual), with the same effects, token by token,
+as committing them one by one.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
@@ -46,6 +54,19 @@ class StepPlan:
     num_preempted: int
 
 
+class Committed(NamedTuple):
+    """What a step's commit did: the sequences that finished, the output tokens sampled (forked
+    samples included) and the inter-token gaps of those tokens as (gap_s, count) pairs."""
+    finished: list
+    num_sampled: int
+    itl: tuple[tuple[float, int], ...]
+
+
+# Why the head of the waiting queue was not admitted by the last plan; these two hold for as
+# long as a batch only decodes (its size and its token count do not change).
+BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET, BLOCKED_BY_MEMORY = "max_num_seqs", "budget", "memory"
+
+
 class Scheduler:
     def __init__(self, spec: SchedulerSpec, allocator):
         self.spec, self.allocator = spec, allocator
@@ -55,9 +76,7 @@ class Scheduler:
         self.swap_used_tokens = 0
         self._swap_tokens = 0  # moved over the host link in the step being planned
         self._next_sibling_id = FIRST_SIBLING_ID
-        self.num_sampled = 0  # output tokens sampled by the last commit (forked samples included)
-        # Inter-token gaps as (time_s, gap_s, count): the decoders of one step mostly share a gap.
-        self.itl_samples: list[tuple[float, float, int]] = []
+        self.admission_blocked_by: str | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,10 +89,18 @@ class Scheduler:
         return len(self.running) + len(self.waiting) + len(self.swapped)
 
     @property
-    def first_waiting(self) -> Sequence | None:
-        if self.swapped:
-            return self.swapped[0]
-        return self.waiting[0] if self.waiting else None
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the pool."""
+        return self.allocator.capacity
+
+    def usage(self):
+        """The pool's memory breakdown, as the next request to get memory sees it."""
+        first = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
+        return self.allocator.usage(first)
 
     def schedule(self) -> StepPlan:
         budget = self.spec.max_num_batched_tokens
@@ -121,12 +148,20 @@ class Scheduler:
 
     def _admit(self, scheduled: list, budget: int) -> int:
         waiting, running, allocator = self.waiting, self.running, self.allocator
-        while waiting and budget > 0 and len(running) < self.spec.max_num_seqs:
+        self.admission_blocked_by = None
+        while waiting:
+            if len(running) >= self.spec.max_num_seqs:
+                self.admission_blocked_by = BLOCKED_BY_SEQS
+                break
+            if budget <= 0:
+                self.admission_blocked_by = BLOCKED_BY_BUDGET
+                break
             seq = waiting[0]
             hit = allocator.lookup_prefix(seq)
             num_new = seq.num_tokens - hit.num_tokens
             if num_new > budget:
                 if not self.spec.enable_chunked_prefill:
+                    self.admission_blocked_by = BLOCKED_BY_MEMORY  # re-examined every step, as memory
                     break
                 num_new = budget
             # vLLM v1 admission: the whole current sequence must fit, not only this chunk
@@ -134,6 +169,7 @@ class Scheduler:
             full_tokens = seq.num_tokens if self.spec.reserve_full_isl else 0
             watermark = self.spec.watermark if running else 0.0
             if allocator.allocate(seq, num_new, hit, full_tokens, watermark) is None:
+                self.admission_blocked_by = BLOCKED_BY_MEMORY
                 break
             waiting.popleft()
             seq.num_computed = hit.num_tokens
@@ -158,8 +194,8 @@ class Scheduler:
         seq.num_computed = 0  # recompute (also when the CPU pool is full)
         self.waiting.appendleft(seq)
 
-    def commit(self, plan: StepPlan, now: float) -> list[Sequence]:
-        """Apply a step that ended at `now`; return the sequences that finished."""
+    def commit(self, plan: StepPlan, now: float) -> Committed:
+        """Apply a step that ended at `now`."""
         finished, forked = [], []
         max_model_len = self.spec.max_model_len
         gaps: dict[float, int] = {}
@@ -189,9 +225,60 @@ class Scheduler:
             self.running = [s for s in self.running if id(s) not in done]
         self.running.extend(s for s in forked if s.finish_time_s != s.finish_time_s)
         finished.extend(s for s in forked if s.finish_time_s == s.finish_time_s)
-        self.num_sampled = num_sampled
-        self.itl_samples.extend((now, gap, count) for gap, count in gaps.items())
-        return finished
+        return Committed(finished, num_sampled, tuple(gaps.items()))
+
+    # -- decode stretches ------------------------------------------------------------------------
+    def decode_stretch(self, plan: StepPlan) -> int:
+        """Steps, this plan's included, that would each schedule exactly this batch with one more
+        token per sequence: 1 unless the plan decodes every running sequence and nothing can
+        join; at most until the first sequence finishes or a next token finds no memory."""
+        running, shape = self.running, plan.shape
+        num_seqs = len(running)
+        if (plan.num_preempted or self.swapped or shape.num_prefill_tokens or shape.swap_tokens
+                or shape.num_decode_seqs != num_seqs or len(plan.scheduled) != num_seqs):
+            return 1
+        blocked = self.admission_blocked_by
+        if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
+                blocked == BLOCKED_BY_MEMORY and self.allocator.admission_stays_blocked)):
+            return 1
+        max_model_len = self.spec.max_model_len
+        steps = min(min(seq.request.output_len - seq.num_output, max_model_len - seq.num_tokens)
+                    for seq in running)
+        if steps < 3:  # a stretch of two steps saves nothing
+            return 1
+        return self.allocator.decode_steps_that_fit(running, steps)
+
+    def advance_decode(self, step_ends: list[float], num_waiting: int) -> tuple[list, list]:
+        """Commit len(step_ends) decode steps of the running batch, each ending at its time, and
+        allocate the next step's tokens. No sequence finishes; num_waiting requests waited
+        throughout (requests queued since came after the last of these steps, or behind them).
+        Returns the steps' inter-token gaps as (time_s, gap_s, count) and the memory breakdown
+        after each step."""
+        running = self.running
+        head = self.waiting[0] if num_waiting else None  # a stretch has nothing swapped
+        usage_rows = self.allocator.advance_decode(running, len(step_ends), head)
+        first_end, num_steps = step_ends[0], len(step_ends)
+        gaps: dict[float, int] = {}
+        for seq in running:
+            gap = first_end - seq.last_token_time_s
+            gaps[gap] = gaps.get(gap, 0) + 1
+        itl = [(first_end, gap, count) for gap, count in gaps.items()]
+        num_seqs = len(running)
+        itl.extend((end, end - before, num_seqs) for before, end in zip(step_ends, step_ends[1:]))
+        last_end = step_ends[-1]
+        for seq in running:
+            seq.num_computed += num_steps
+            seq.num_tokens += num_steps
+            seq.num_output += num_steps
+            seq.last_token_time_s = last_end
+        return itl, usage_rows
+
+    def decode_plan(self, decode_context_tokens: int) -> StepPlan:
+        """The plan of a decode stretch's step: every running sequence, one token each."""
+        num_seqs = len(self.running)
+        return StepPlan(tuple((seq, 1) for seq in self.running),
+                        BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=decode_context_tokens,
+                                   num_sampled=num_seqs), 0)
 
     def _fork_samples(self, parent: Sequence, now: float) -> list[Sequence]:
         """The other n - 1 samples, each having sampled its own first token with the parent."""
