@@ -17,7 +17,6 @@ unserved requests, prefix-cache figures and preemptions always cover every reque
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
