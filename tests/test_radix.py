@@ -65,6 +65,33 @@ def test_only_unlocked_leaves_are_evicted_and_parents_follow():
     assert alloc.usage().free == 15
 
 
+def take_hit(alloc, s):
+    """A request that takes its cached prefix and leaves: hits count where blocks are taken."""
+    hit = alloc.lookup_prefix(s)
+    assert alloc.allocate(s, 0, hit) is not None
+    alloc.free(s)
+
+
+def test_lookups_are_pure_queries_and_a_hit_counts_once_when_taken():
+    alloc = RadixAllocator(num_pages=32)
+    run_prefill(alloc, seq(1, [(1, 6), (2, 6)]))
+    alloc.free(seq(1, [(1, 6), (2, 6)]))
+    before = edges(alloc), alloc.clock
+    blocked = seq(2, [(1, 6), (3, 30)])                  # shares 6 of the 12-token edge
+    for _ in range(3):
+        assert alloc.lookup_prefix(blocked).num_tokens == 6
+    assert (edges(alloc), alloc.clock) == before         # no split, no hit, no clock tick
+    # 30 new slots: 20 free and 6 evictable (the edge's other half) are not enough, and a
+    # refused admission leaves the tree as it was, as the scheduler retries it every step.
+    assert alloc.allocate(blocked, 30, alloc.lookup_prefix(blocked)) is None
+    assert (edges(alloc), alloc.clock) == before
+    take_hit(alloc, seq(3, [(1, 6), (4, 1)]))
+    nodes = [alloc.root]
+    while nodes[-1].children:
+        nodes.append(next(iter(nodes[-1].children.values())))
+    assert [(n.end - n.start, n.hits) for n in nodes[1:]] == [(6, 1), (6, 0)]  # split when taken
+
+
 def test_lru_lfu_and_fifo_choose_different_victims():
     def survivor(policy):
         alloc = RadixAllocator(num_pages=16, eviction=policy)
@@ -74,8 +101,8 @@ def test_lru_lfu_and_fifo_choose_different_victims():
         run_prefill(alloc, y)
         alloc.free(y)                                      # then y (7 tokens); 3 slots free
         for i in range(3):                                 # x hit three times
-            alloc.lookup_prefix(seq(10 + i, [(1, 6), (5 + i, 1)]))
-        alloc.lookup_prefix(seq(20, [(2, 7), (9, 1)]))     # y hit once, most recently
+            take_hit(alloc, seq(10 + i, [(1, 6), (5 + i, 1)]))
+        take_hit(alloc, seq(20, [(2, 7), (9, 1)]))         # y hit once, most recently
         run_prefill(alloc, seq(30, [(7, 8)]))              # needs 8: one of x, y must go
         return [e[2] - e[1] for e in edges(alloc) if e[3] == 0]
     assert survivor("lru") == [7]       # x was least recently used

@@ -13,7 +13,10 @@ A live sequence locks the path from its deepest cached node to the root; only un
 evicted, smallest eviction sort key first (lru default, lfu, fifo), and a parent whose last child
 goes becomes a leaf itself. As in SGLang (REFERENCE.md section 2), prefill chunks are inserted as
 they are scheduled, decode tokens when the sequence ends; a sequence's tokens already in the tree
-are freed as duplicates on insertion; the last known token is never matched.
+are freed as duplicates on insertion; the last known token is never matched. Unlike SGLang's
+match_prefix, a lookup is a pure query: the edge is split and every node of the path counts a hit
+and a last access when allocate takes the hit, so a request blocked at the head of the queue for
+many steps counts once (as the block allocator does).
 """
 from __future__ import annotations
 
@@ -81,17 +84,11 @@ class RadixAllocator:
 
     # -- ask -----------------------------------------------------------------------------------
     def lookup_prefix(self, seq) -> PrefixHit:
+        """How many leading tokens the tree holds: a pure query (allocate takes them)."""
         limit = (seq.num_tokens - 1) // self.page_size * self.page_size
-        node, matched = self._match(seq.request, 0, self.root, limit)
-        if matched == 0:
-            return NO_HIT
-        self.clock += 1
-        walk = node
-        while walk is not self.root:
-            walk.last_access = self.clock
-            walk.hits += 1
-            walk = walk.parent
-        return PrefixHit(matched, (node,))
+        _, position, _, partial = self._walk(seq.request, limit)
+        matched = position + partial
+        return PrefixHit(matched) if matched else NO_HIT
 
     # -- act -----------------------------------------------------------------------------------
     def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
@@ -100,7 +97,7 @@ class RadixAllocator:
         admission as in the block allocator."""
         seq_id, page = seq.seq_id, self.page_size
         first = seq_id not in self.node_of
-        node = (hit.blocks[0] if hit.blocks else self.root) if first else self.node_of[seq_id]
+        node = None if first else self.node_of[seq_id]
         cached = hit.num_tokens if first else self.num_cached_tokens[seq_id]
         start = cached if first else self.num_allocated_tokens[seq_id]
         end = start + num_new_tokens
@@ -112,10 +109,11 @@ class RadixAllocator:
         if required > self.free_slots:
             evictable = self.tree_slots - self.locked_slots
             if first:
-                evictable -= self._unlocked_path_slots(node)
+                evictable -= self._unlocked_hit_slots(seq, hit.num_tokens)
             if required > self.free_slots + evictable:
                 return None
         if first:
+            node = self._take_prefix(seq, hit.num_tokens)
             self.node_of[seq_id], self.num_cached_tokens[seq_id] = node, cached
             self.final_len[seq_id] = seq.final_len
             self._lock(node, +1)
@@ -127,7 +125,8 @@ class RadixAllocator:
             self._insert(seq, end)
         return (need,) if need else ()
 
-    admission_stays_blocked = False  # a lookup splits edges and counts hits
+    # Decode pages may evict the blocked head's cached path: not shown to keep it blocked.
+    admission_stays_blocked = False
 
     def decode_steps_that_fit(self, seqs, limit: int) -> int:
         """Decode tokens take private pages, evicting unlocked cached ones when none are free."""
@@ -178,11 +177,62 @@ class RadixAllocator:
                        cached_idle=cached_idle, free=self.free_slots)
 
     # -- mechanics -----------------------------------------------------------------------------
+    def _unlocked_hit_slots(self, seq, num_tokens: int) -> int:
+        """Slots of the hit's first num_tokens tokens held by unlocked nodes (they stop being
+        evictable once the hit is taken), counted without changing the tree."""
+        if not num_tokens:
+            return 0
+        node, position, child, partial = self._walk(seq.request, num_tokens)
+        if partial and child.lock_ref:
+            return 0
+        return partial + self._unlocked_path_slots(node)
+
+    def _take_prefix(self, seq, num_tokens: int) -> RadixNode:
+        """Split the hit's last edge at num_tokens and count a hit on every node of its path."""
+        if not num_tokens:
+            return self.root
+        node, position = self._match(seq.request, 0, self.root, num_tokens)
+        assert position == num_tokens, "a hit is taken in the step it was looked up"
+        self.clock += 1
+        walk = node
+        while walk is not self.root:
+            walk.last_access = self.clock
+            walk.hits += 1
+            walk = walk.parent
+        return node
+
     def _private_pages(self, seq_id: int) -> int:
         page = self.page_size
         return -(-self.num_allocated_tokens[seq_id] // page) - self.num_cached_tokens[seq_id] // page
 
-    def _match(self, request, position: int, node: RadixNode, limit: int, split: bool = True):
+    def _walk(self, request, limit: int):
+        """Follow `request` from the root up to `limit` tokens without changing the tree:
+        (deepest node matched whole, its end, the child matched partway or None, tokens of it)."""
+        page, node, position = self.page_size, self.root, 0
+        while position + page <= limit:
+            child = node.children.get(request.prefix_key(position + page))
+            if child is None:
+                break
+            matched = self._agreeing_pages(request, child, position, limit) * page
+            if matched < child.length:
+                return node, position, child, matched
+            node, position = child, position + matched
+        return node, position, None, 0
+
+    def _agreeing_pages(self, request, child: RadixNode, position: int, limit: int) -> int:
+        """Pages of child's edge (from position, at most up to limit) that request shares."""
+        page, owner = self.page_size, child.owner
+        low, high = 1, min(child.length, limit - position) // page
+        while low < high:  # largest page count whose key still agrees
+            mid = (low + high + 1) // 2
+            end = position + mid * page
+            if request.prefix_key(end) == owner.prefix_key(end):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _match(self, request, position: int, node: RadixNode, limit: int):
         """Follow `request` from `node` at `position` up to `limit` tokens; split a partly
         matched edge so that the returned node ends exactly at the returned position."""
         page = self.page_size
@@ -190,18 +240,8 @@ class RadixAllocator:
             child = node.children.get(request.prefix_key(position + page))
             if child is None:
                 break
-            owner, low, high = child.owner, 1, min(child.length, limit - position) // page
-            while low < high:  # largest page count whose key still agrees
-                mid = (low + high + 1) // 2
-                end = position + mid * page
-                if request.prefix_key(end) == owner.prefix_key(end):
-                    low = mid
-                else:
-                    high = mid - 1
-            matched = low * page
+            matched = self._agreeing_pages(request, child, position, limit) * page
             if matched < child.length:
-                if not split:
-                    return node, position
                 child = self._split(child, position + matched)
             node, position = child, position + matched
         return node, position
