@@ -10,24 +10,24 @@ from sim.kvcache.contiguous import ContiguousAllocator
 def check_block_allocator(alloc: BlockAllocator, live: dict) -> None:
     size = alloc.block_size
     owners = Counter(b for table in alloc.tables.values() for b in table)
-    in_queue = set(alloc.free_queue)
-    assert len(in_queue) == len(alloc.free_queue)
+    in_queue = set(alloc.pool.free_blocks())
+    assert len(in_queue) == len(alloc.pool.free_blocks()) == alloc.num_free_blocks
     for block in range(alloc.num_blocks):
-        assert alloc.ref_count[block] == owners[block], f"block {block}: ref count != owners"
+        assert alloc.pool.ref_count[block] == owners[block], f"block {block}: ref count != owners"
         assert (block in in_queue) == (owners[block] == 0), f"block {block}: leaked or double-owned"
     for seq_id, table in alloc.tables.items():
         assert len(set(table)) == len(table)
-        tokens = alloc.num_allocated_tokens[seq_id]
+        tokens = alloc.seqs[seq_id].num_tokens
         assert len(table) == -(-tokens // size), "a table holds a block it does not need"
     assert set(alloc.tables) == set(live)
     # Cached content always matches what a lookup returns.
-    for key, block in alloc.cached.items():
-        assert alloc.block_key[block] == key
+    for key, block in alloc.pool.cached.items():
+        assert alloc.pool.block_key[block] == key
     for seq_id, table in alloc.tables.items():
         request = live[seq_id].request
-        for i in range(alloc.num_keyed_blocks[seq_id]):
-            assert alloc.block_key[table[i]] == request.prefix_key((i + 1) * size)
-    assert alloc.num_cached_free == sum(1 for b in in_queue if alloc.block_key[b] is not None)
+        for i in range(alloc.seqs[seq_id].num_keyed):
+            assert alloc.pool.block_key[table[i]] == request.prefix_key((i + 1) * size)
+    assert alloc.pool.num_cached_free == sum(1 for b in in_queue if alloc.pool.block_key[b] is not None)
     _check_usage(alloc, expected_token_states=_block_token_states(alloc))
 
 
@@ -35,7 +35,7 @@ def _block_token_states(alloc: BlockAllocator) -> int:
     """Slots holding KV, block by block: a shared block counts once, filled as far as any owner."""
     size, filled = alloc.block_size, {}
     for seq_id, table in alloc.tables.items():
-        tokens = alloc.num_allocated_tokens[seq_id]
+        tokens = alloc.seqs[seq_id].num_tokens
         for i, block in enumerate(table):
             filled[block] = max(filled.get(block, 0), min(size, tokens - i * size))
     return sum(filled.values())

@@ -16,7 +16,7 @@ def test_paged_allocates_on_demand_and_frees_deepest_first():
     assert alloc.allocate(a, 1) == (4,)        # token 8 opens block 4
     alloc.free(a)
     # Remaining free blocks first, then a's blocks appended in reverse order.
-    assert list(alloc.free_queue) == [5, 6, 7, 4, 1, 0]
+    assert alloc.pool.free_blocks() == [5, 6, 7, 4, 1, 0]
     assert alloc.lookup_prefix(b).num_tokens == 0   # no caching in `paged`
 
 
@@ -43,13 +43,13 @@ def test_prefix_hit_shares_blocks_and_never_covers_the_last_token():
     hit = alloc.lookup_prefix(b)
     assert (hit.num_tokens, hit.blocks) == (8, (0, 1))   # floor((10 - 1) / 4) = 2 full blocks
     assert alloc.allocate(b, 2, hit) == (3,)
-    assert alloc.ref_count[:4] == [2, 2, 1, 1]
+    assert alloc.pool.ref_count[:4] == [2, 2, 1, 1]
     assert alloc.usage().token_states == 12             # 8 shared slots counted once + 2 + 2
     exact = seq(3, [(1, 8)])
     assert alloc.lookup_prefix(exact).num_tokens == 4     # 8 tokens: only (8 - 1) // 4 = 1 block
     alloc.free(a)
     alloc.free(b)
-    assert list(alloc.free_queue) == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert alloc.pool.free_blocks() == [4, 5, 6, 7, 2, 3, 1, 0]
     assert alloc.usage().cached_idle == 8                # blocks 0 and 1 keep their keys
 
 
@@ -69,7 +69,7 @@ def test_cached_block_is_evicted_lazily_when_popped_for_reuse():
     assert alloc.lookup_prefix(again).num_tokens == 8
     alloc.allocate(seq(3, [(7, 12)]), 12)   # pops 3, 2, 1: block 1's key is dropped
     assert alloc.lookup_prefix(again).num_tokens == 4
-    assert alloc.free_queue and list(alloc.free_queue) == [0]
+    assert alloc.pool.free_blocks() == [0]
 
 
 def test_revived_hit_blocks_count_against_free_space():
@@ -129,7 +129,7 @@ def test_block_allocator_invariants_hold_after_every_operation(ops, block_size, 
             live[child.seq_id], tokens[child.seq_id] = child, tokens[parent.seq_id]
             assert alloc.tables[child.seq_id] == alloc.tables[parent.seq_id]
         check_block_allocator(alloc, live)
-        assert all(alloc.num_allocated_tokens[i] == n for i, n in tokens.items())
+        assert all(alloc.seqs[i].num_tokens == n for i, n in tokens.items())
 
 
 def test_lfu_and_fifo_evict_unkeyed_blocks_first_then_by_their_key():
@@ -148,7 +148,7 @@ def test_lfu_and_fifo_evict_unkeyed_blocks_first_then_by_their_key():
         z = seq(3, [(3, 12)])
         alloc.allocate(z, 12)                            # takes the 2 unkeyed blocks, then 1 keyed
         return [name for name, s in (("x", x), ("y", y))
-                if s.request.prefix_key(4) not in alloc.cached]
+                if s.request.prefix_key(4) not in alloc.pool.cached]
     assert evicted("lfu") == ["y"]       # y's block had fewer hits
     assert evicted("fifo") == ["x"]      # x's block was cached first
     assert evicted("lru") == ["y"]       # vLLM's queue: x's block was freed last

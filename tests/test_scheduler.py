@@ -108,7 +108,7 @@ def test_parallel_samples_share_the_prompt_and_copy_the_last_block_on_write():
     step(scheduler, 1.0)                                 # prompt done: two siblings forked
     assert len(scheduler.running) == 3
     assert [alloc.tables[x.seq_id] for x in scheduler.running] == [[0, 1]] * 3
-    assert alloc.ref_count[:2] == [3, 3]
+    assert alloc.pool.ref_count[:2] == [3, 3]
     step(scheduler, 2.0)                                 # each writes token 6 into block 1
     tables = [alloc.tables[x.seq_id] for x in scheduler.running]
     assert [t[0] for t in tables] == [0, 0, 0] and len({t[1] for t in tables}) == 3

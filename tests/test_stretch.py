@@ -121,9 +121,10 @@ def _running_batch(caching: bool, block_size: int, prompts, cached_prompt: int, 
 
 
 def _state(alloc):
-    return (alloc.tables, alloc.num_allocated_tokens, alloc.num_keyed_blocks, list(alloc.free_queue),
-            alloc.ref_count, alloc.block_key, alloc.cached, alloc.num_cached_free, alloc.clock,
-            alloc.created, alloc.hits, alloc.last_access, alloc.total_reserved, alloc.total_internal)
+    pool = alloc.pool
+    return (alloc.seqs, pool.free_blocks(), pool.num_free, pool.ref_count, pool.block_key,
+            pool.cached, pool.num_cached_free, pool.clock, pool.created, pool.hits, pool.last_access,
+            alloc.total_reserved, alloc.total_internal)
 
 
 @settings(max_examples=60, deadline=None)

@@ -3,6 +3,10 @@
 Each key reads an entry's `last_access` and `hits` (logical clock ticks and lookup hits) and
 `created` (when its content was first cached). SGLang's radix cache ships the same three
 (REFERENCE.md section 2); LRU is the default everywhere.
+
+Free blocks of the paged pool (sim.kvcache.block_pool) also carry `keyed`: LRU is vLLM's free
+queue, which takes blocks in the order they were freed whatever they hold; LFU and FIFO take the
+blocks holding no cached KV first, since their counts say nothing about reuse.
 """
 from __future__ import annotations
 
@@ -20,3 +24,10 @@ def fifo(entry) -> tuple:
 
 
 EVICTION_POLICIES = {"lru": lru, "lfu": lfu, "fifo": fifo}
+
+
+def _cached_last(policy):
+    return lambda entry: (entry.keyed, *policy(entry)) if entry.keyed else (False,)
+
+
+BLOCK_EVICTION_ORDERS = {"lru": lru, "lfu": _cached_last(lfu), "fifo": _cached_last(fifo)}

@@ -1,0 +1,121 @@
+"""The block pool of paged KV allocation (vLLM v1's BlockPool): reference counts, the free queue,
+and the cached blocks' keys.
+
+    free queue: a heap on (eviction sort key, push order)     cached: key -> block id
+    [b7 b3 b9 | b2 b5]   popped smallest first                 a keyed block may sit in the
+                                                               queue with ref 0 until popped
+
+A block is free exactly when its reference count is 0. Taking a block pops the smallest entry
+(entries of blocks revived or re-pushed since are skipped) and drops its key, if any: lazy
+eviction. The sort key comes from sim.kvcache.eviction (BLOCK_EVICTION_ORDERS); ties go to the
+block pushed first, so with LRU the queue is vLLM's free order itself.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+from sim.errors import ConfigError
+from sim.kvcache.eviction import BLOCK_EVICTION_ORDERS
+
+
+class BlockStats(NamedTuple):
+    """What an eviction order may read about a free block."""
+    keyed: bool
+    last_access: int
+    hits: int
+    created: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, eviction: str = "lru"):
+        if eviction not in BLOCK_EVICTION_ORDERS:
+            raise ConfigError(f"unknown eviction policy '{eviction}', allocator config key "
+                              f"eviction, use one of: {', '.join(BLOCK_EVICTION_ORDERS)}")
+        self.num_blocks, self.eviction = num_blocks, eviction
+        self._order = BLOCK_EVICTION_ORDERS[eviction]
+        self.ref_count = [0] * num_blocks
+        self.block_key: list[tuple | None] = [None] * num_blocks
+        self.cached: dict[tuple, int] = {}
+        self.clock = 0  # logical time: ticks at each free and each keying or hit
+        self.hits = [0] * num_blocks
+        self.last_access = [0] * num_blocks
+        self.created = [0] * num_blocks
+        self.num_free = num_blocks
+        self.num_cached_free = 0
+        self._pushes = num_blocks
+        self._entry = list(range(num_blocks))  # each block's live queue entry (its push number)
+        start = self._order(BlockStats(False, 0, 0, 0))
+        self._queue = [(*start, block, block) for block in range(num_blocks)]  # already a heap
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they would be taken."""
+        live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
+        return [e[-1] for e in sorted(live)]
+
+    def take(self, count: int) -> tuple[int, ...]:
+        """count free blocks, each with one reference, evicting their cached keys."""
+        queue, ref_count, entry, pop = self._queue, self.ref_count, self._entry, heapq.heappop
+        taken = []
+        while len(taken) < count:
+            item = pop(queue)
+            block = item[-1]
+            if ref_count[block] or item[-2] != entry[block]:
+                continue  # revived since, or pushed again later
+            key = self.block_key[block]
+            if key is not None:
+                self.num_cached_free -= 1
+                if self.cached.get(key) == block:
+                    del self.cached[key]
+                self.block_key[block] = None
+            ref_count[block] = 1
+            self.hits[block] = 0
+            taken.append(block)
+        self.num_free -= count
+        return tuple(taken)
+
+    def touch(self, block: int) -> None:
+        """One more reference to a block a prefix hit takes (out of the queue if it was free)."""
+        if self.ref_count[block] == 0:
+            self.num_free -= 1
+            if self.block_key[block] is not None:
+                self.num_cached_free -= 1
+        self.ref_count[block] += 1
+        self.hits[block] += 1
+        self.clock += 1
+        self.last_access[block] = self.clock
+
+    def share(self, blocks) -> None:
+        """One more reference to each of blocks already in use (a forked sequence)."""
+        for block in blocks:
+            self.ref_count[block] += 1
+
+    def release(self, blocks) -> None:
+        """One reference less to each block, in this order; a block reaching 0 joins the queue."""
+        self.clock += 1
+        ref_count, order = self.ref_count, self._order
+        for block in blocks:
+            ref_count[block] -= 1
+            if ref_count[block] == 0:
+                self.last_access[block] = self.clock
+                keyed = self.block_key[block] is not None
+                self.num_cached_free += keyed
+                self.num_free += 1
+                self._pushes += 1
+                self._entry[block] = self._pushes
+                stats = BlockStats(keyed, self.clock, self.hits[block], self.created[block])
+                heapq.heappush(self._queue, (*order(stats), self._pushes, block))
+        if len(self._queue) > 2 * self.num_blocks + 1024:  # entries of revived blocks pile up
+            self._queue = [e for e in self._queue
+                           if ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
+            heapq.heapify(self._queue)
+
+    def drop_reference(self, block: int) -> None:
+        """One reference less to a block that stays in use by others (copy-on-write)."""
+        self.ref_count[block] -= 1
+
+    def set_key(self, block: int, key: tuple) -> None:
+        """Key a full block by the prefix it ends; the first block with a key is the one found."""
+        self.block_key[block] = key
+        self.created[block] = self.clock
+        self.cached.setdefault(key, block)
