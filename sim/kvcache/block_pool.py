@@ -1,18 +1,20 @@
 """The block pool of paged KV allocation (vLLM v1's BlockPool): reference counts, the free queue,
 and the cached blocks' keys.
 
-    free queue: a heap on (eviction sort key, push order)     cached: key -> block id
-    [b7 b3 b9 | b2 b5]   popped smallest first                 a keyed block may sit in the
-                                                               queue with ref 0 until popped
+    free queue: (eviction sort key, push order) smallest first    cached: key -> block id
+    [b7 b3 b9 | b2 b5]                                             a keyed block may sit in the
+                                                                   queue with ref 0 until popped
 
-A block is free exactly when its reference count is 0. Taking a block pops the smallest entry
-(entries of blocks revived or re-pushed since are skipped) and drops its key, if any: lazy
+A block is free exactly when its reference count is 0. Taking a block pops the first entry
+(entries of blocks revived or pushed again since are skipped) and drops its key, if any: lazy
 eviction. The sort key comes from sim.kvcache.eviction (BLOCK_EVICTION_ORDERS); ties go to the
-block pushed first, so with LRU the queue is vLLM's free order itself.
+block pushed first. LRU's key is the push order itself (vLLM's free queue), so its queue is a
+plain FIFO; other keys use a heap.
 """
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import NamedTuple
 
 from sim.errors import ConfigError
@@ -45,20 +47,24 @@ class BlockPool:
         self.num_cached_free = 0
         self._pushes = num_blocks
         self._entry = list(range(num_blocks))  # each block's live queue entry (its push number)
-        start = self._order(BlockStats(False, 0, 0, 0))
-        self._queue = [(*start, block, block) for block in range(num_blocks)]  # already a heap
+        if self._order is None:  # the free order: entries (push number, block) in a FIFO
+            self._queue = deque((block, block) for block in range(num_blocks))
+        else:
+            start = self._order(BlockStats(False, 0, 0, 0))
+            self._queue = [(*start, block, block) for block in range(num_blocks)]  # a heap already
 
     def free_blocks(self) -> list[int]:
         """The free blocks in the order they would be taken."""
         live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
-        return [e[-1] for e in sorted(live)]
+        return [e[-1] for e in (live if self._order is None else sorted(live))]
 
     def take(self, count: int) -> tuple[int, ...]:
         """count free blocks, each with one reference, evicting their cached keys."""
-        queue, ref_count, entry, pop = self._queue, self.ref_count, self._entry, heapq.heappop
+        queue, ref_count, entry = self._queue, self.ref_count, self._entry
+        pop = queue.popleft if self._order is None else lambda: heapq.heappop(queue)
         taken = []
         while len(taken) < count:
-            item = pop(queue)
+            item = pop()
             block = item[-1]
             if ref_count[block] or item[-2] != entry[block]:
                 continue  # revived since, or pushed again later
@@ -92,23 +98,42 @@ class BlockPool:
 
     def release(self, blocks) -> None:
         """One reference less to each block, in this order; a block reaching 0 joins the queue."""
-        self.clock += 1
-        ref_count, order = self.ref_count, self._order
+        self.clock = clock = self.clock + 1
+        ref_count, last_access, block_key, entry = self.ref_count, self.last_access, self.block_key, self._entry
+        freed = []
         for block in blocks:
             ref_count[block] -= 1
-            if ref_count[block] == 0:
-                self.last_access[block] = self.clock
-                keyed = self.block_key[block] is not None
-                self.num_cached_free += keyed
-                self.num_free += 1
-                self._pushes += 1
-                self._entry[block] = self._pushes
-                stats = BlockStats(keyed, self.clock, self.hits[block], self.created[block])
-                heapq.heappush(self._queue, (*order(stats), self._pushes, block))
+            if not ref_count[block]:
+                freed.append(block)
+        pushes = self._pushes
+        if self._order is None:
+            append = self._queue.append
+            for block in freed:
+                pushes += 1
+                entry[block] = pushes
+                last_access[block] = clock
+                append((pushes, block))
+        else:
+            order, queue = self._order, self._queue
+            for block in freed:
+                pushes += 1
+                entry[block] = pushes
+                last_access[block] = clock
+                stats = BlockStats(block_key[block] is not None, clock, self.hits[block], self.created[block])
+                heapq.heappush(queue, (*order(stats), pushes, block))
+        self._pushes = pushes
+        self.num_free += len(freed)
+        self.num_cached_free += sum(1 for block in freed if block_key[block] is not None)
         if len(self._queue) > 2 * self.num_blocks + 1024:  # entries of revived blocks pile up
-            self._queue = [e for e in self._queue
-                           if ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
-            heapq.heapify(self._queue)
+            self._compact()
+
+    def _compact(self) -> None:
+        live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
+        if self._order is None:
+            self._queue = deque(live)
+        else:
+            heapq.heapify(live)
+            self._queue = live
 
     def drop_reference(self, block: int) -> None:
         """One reference less to a block that stays in use by others (copy-on-write)."""

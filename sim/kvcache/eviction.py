@@ -30,4 +30,5 @@ def _cached_last(policy):
     return lambda entry: (entry.keyed, *policy(entry)) if entry.keyed else (False,)
 
 
-BLOCK_EVICTION_ORDERS = {"lru": lru, "lfu": _cached_last(lfu), "fifo": _cached_last(fifo)}
+# None: the order blocks were freed in (for LRU the same as sorting on last_access, kept as a FIFO).
+BLOCK_EVICTION_ORDERS = {"lru": None, "lfu": _cached_last(lfu), "fifo": _cached_last(fifo)}
