@@ -40,6 +40,7 @@ class BlockAllocator:
         self.pool = BlockPool(num_blocks, eviction)
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.seqs: dict[int, SeqBlocks] = {}
+        self._keys: dict[int, list[tuple]] = {}  # each live sequence's block keys, computed once
         self.num_forked = 0
         self.num_cow_copies = 0
         # Slack of each sequence's partial last block, summed (exact while nothing is forked).
@@ -75,23 +76,36 @@ class BlockAllocator:
         if not self.enable_caching:
             return NO_HIT
         cached, blocks = self.pool.cached, []
-        for key in seq.request.prefix_keys(self.block_size, 0, (seq.num_tokens - 1) // self.block_size):
+        for key in self._block_keys(seq, (seq.num_tokens - 1) // self.block_size):
             block = cached.get(key)
             if block is None:
                 break
             blocks.append(block)
         return PrefixHit(len(blocks) * self.block_size, tuple(blocks)) if blocks else NO_HIT
 
+    def _block_keys(self, seq, count: int):
+        """The keys of seq's first count blocks, each computed once while seq lives (a lookup
+        stopping at its first miss computes no further)."""
+        keys = self._keys.setdefault(seq.seq_id, [])
+        yield from keys[:count]
+        for key in seq.request.prefix_keys(self.block_size, len(keys), count):
+            keys.append(key)
+            yield key
+
     def _key_full_blocks(self, seq, record: SeqBlocks, end: int) -> None:
         """Key the blocks that tokens up to `end` filled (one clock tick for the call)."""
         pool, first, last = self.pool, record.num_keyed, end // self.block_size
         pool.clock += 1
+        if last <= first:
+            return
         table, block_key = record.table, pool.block_key
-        for i, key in enumerate(seq.request.prefix_keys(self.block_size, first, last), first):
+        keys = self._keys.setdefault(seq.seq_id, [])
+        if len(keys) < last:
+            keys.extend(seq.request.prefix_keys(self.block_size, len(keys), last))
+        for i in range(first, last):
             if block_key[table[i]] is None:  # a shared (forked) block is keyed once
-                pool.set_key(table[i], key)
-        if last > first:
-            record.num_keyed = last
+                pool.set_key(table[i], keys[i])
+        record.num_keyed = last
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
@@ -167,6 +181,7 @@ class BlockAllocator:
         return new_blocks[1:]
 
     def free(self, seq) -> None:
+        self._keys.pop(seq.seq_id, None)
         record = self.seqs.pop(seq.seq_id)
         self._count_slack(record, -1)
         self.num_forked -= record.forked
