@@ -86,6 +86,8 @@ def measure(allocator: str, overrides: list[str]) -> dict:
     done = result.requests[result.requests.status == "finished"]
     metrics = result.metrics
     return {"wall_s": metrics["wall_time_s"], "elapsed_s": elapsed,
+            "parallelism": f"TP {cfg.tensor_parallel_size}" + (
+                f" x PP {cfg.pipeline_parallel_size}" if "pipeline_parallel_size" in cfg else ""),
             "requests": int(len(done)), "tokens": int(done.prompt_tokens.sum() + done.output_tokens.sum()),
             "steps": metrics["scheduler"]["num_steps"], "events": events[0],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{row['requests'] / wall:>9,.0f} {row['tokens'] / wall:>11,.0f} "
                   f"{row['steps'] / wall:>9,.0f} {row['events'] / wall:>9,.0f}", flush=True)
             rows.append(row)
+        if name == "vidur_matched":
+            print(f"  vidur_matched ran on {rows[-1]['parallelism']}"
+                  + ("" if "PP" in rows[-1]["parallelism"] else
+                     " (kvsim has no pipeline parallelism yet; Vidur's reference is TP 2 x PP 2)"))
     return rows
 
 

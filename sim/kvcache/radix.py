@@ -205,10 +205,11 @@ class RadixAllocator:
         page = self.page_size
         return -(-self.num_allocated_tokens[seq_id] // page) - self.num_cached_tokens[seq_id] // page
 
-    def _walk(self, request, limit: int):
-        """Follow `request` from the root up to `limit` tokens without changing the tree:
-        (deepest node matched whole, its end, the child matched partway or None, tokens of it)."""
-        page, node, position = self.page_size, self.root, 0
+    def _walk(self, request, limit: int, node: RadixNode | None = None, position: int = 0):
+        """Follow `request` from `node` (the root) at `position` up to `limit` tokens without
+        changing the tree: (deepest node matched whole, its end, the child matched partway or
+        None, tokens of it)."""
+        page, node = self.page_size, node or self.root
         while position + page <= limit:
             child = node.children.get(request.prefix_key(position + page))
             if child is None:
@@ -235,15 +236,9 @@ class RadixAllocator:
     def _match(self, request, position: int, node: RadixNode, limit: int):
         """Follow `request` from `node` at `position` up to `limit` tokens; split a partly
         matched edge so that the returned node ends exactly at the returned position."""
-        page = self.page_size
-        while position + page <= limit:
-            child = node.children.get(request.prefix_key(position + page))
-            if child is None:
-                break
-            matched = self._agreeing_pages(request, child, position, limit) * page
-            if matched < child.length:
-                child = self._split(child, position + matched)
-            node, position = child, position + matched
+        node, position, child, partial = self._walk(request, limit, node, position)
+        if partial:
+            node, position = self._split(child, position + partial), position + partial
         return node, position
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
