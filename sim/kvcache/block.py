@@ -98,13 +98,10 @@ class BlockAllocator:
         pool.clock += 1
         if last <= first:
             return
-        table, block_key = record.table, pool.block_key
         keys = self._keys.setdefault(seq.seq_id, [])
         if len(keys) < last:
             keys.extend(seq.request.prefix_keys(self.block_size, len(keys), last))
-        for i in range(first, last):
-            if block_key[table[i]] is None:  # a shared (forked) block is keyed once
-                pool.set_key(table[i], keys[i])
+        pool.set_keys(record.table[first:last], keys[first:last])
         record.num_keyed = last
 
     # -- allocation ----------------------------------------------------------------------------
@@ -152,8 +149,7 @@ class BlockAllocator:
                         + int(watermark * self.num_blocks))
         if required > pool.num_free - revived:
             return None
-        for block in hit.blocks:
-            pool.touch(block)
+        pool.touch(hit.blocks)
         new_blocks = pool.take(num_needed)
         record = self.seqs[seq.seq_id] = SeqBlocks([*hit.blocks, *new_blocks], end, len(hit.blocks),
                                                    seq.final_len)

@@ -61,35 +61,42 @@ class BlockPool:
     def take(self, count: int) -> tuple[int, ...]:
         """count free blocks, each with one reference, evicting their cached keys."""
         queue, ref_count, entry = self._queue, self.ref_count, self._entry
+        block_key, cached, hits = self.block_key, self.cached, self.hits
         pop = queue.popleft if self._order is None else lambda: heapq.heappop(queue)
-        taken = []
+        taken, evicted = [], 0
         while len(taken) < count:
             item = pop()
             block = item[-1]
             if ref_count[block] or item[-2] != entry[block]:
                 continue  # revived since, or pushed again later
-            key = self.block_key[block]
+            key = block_key[block]
             if key is not None:
-                self.num_cached_free -= 1
-                if self.cached.get(key) == block:
-                    del self.cached[key]
-                self.block_key[block] = None
+                evicted += 1
+                if cached.get(key) == block:
+                    del cached[key]
+                block_key[block] = None
             ref_count[block] = 1
-            self.hits[block] = 0
+            hits[block] = 0
             taken.append(block)
         self.num_free -= count
+        self.num_cached_free -= evicted
         return tuple(taken)
 
-    def touch(self, block: int) -> None:
-        """One more reference to a block a prefix hit takes (out of the queue if it was free)."""
-        if self.ref_count[block] == 0:
-            self.num_free -= 1
-            if self.block_key[block] is not None:
-                self.num_cached_free -= 1
-        self.ref_count[block] += 1
-        self.hits[block] += 1
-        self.clock += 1
-        self.last_access[block] = self.clock
+    def touch(self, blocks) -> None:
+        """One more reference to each block a prefix hit takes (out of the queue if it was
+        free), each counting a hit and a clock tick, in order."""
+        ref_count, block_key, hits, last_access = self.ref_count, self.block_key, self.hits, self.last_access
+        clock = self.clock
+        for block in blocks:
+            if not ref_count[block]:
+                self.num_free -= 1
+                if block_key[block] is not None:
+                    self.num_cached_free -= 1
+            ref_count[block] += 1
+            hits[block] += 1
+            clock += 1
+            last_access[block] = clock
+        self.clock = clock
 
     def share(self, blocks) -> None:
         """One more reference to each of blocks already in use (a forked sequence)."""
@@ -139,8 +146,12 @@ class BlockPool:
         """One reference less to a block that stays in use by others (copy-on-write)."""
         self.ref_count[block] -= 1
 
-    def set_key(self, block: int, key: tuple) -> None:
-        """Key a full block by the prefix it ends; the first block with a key is the one found."""
-        self.block_key[block] = key
-        self.created[block] = self.clock
-        self.cached.setdefault(key, block)
+    def set_keys(self, blocks, keys) -> None:
+        """Key full blocks by the prefixes they end (a block keyed already keeps its key); the
+        first block with a key is the one a lookup finds."""
+        block_key, created, cached, clock = self.block_key, self.created, self.cached, self.clock
+        for block, key in zip(blocks, keys):
+            if block_key[block] is None:  # a shared (forked) block is keyed once
+                block_key[block] = key
+                created[block] = clock
+                cached.setdefault(key, block)
