@@ -30,6 +30,7 @@ class Recorder:
         self._rows: list[tuple] = []
         self._blocks: list[np.ndarray] = []
         self._itl: list[tuple[int, float, float, int]] = []  # (replica, time_s, gap_s, count)
+        self._itl_blocks: list[np.ndarray] = []
 
     def append_step(self, record: StepRecord) -> None:
         usage = record.usage
@@ -41,6 +42,8 @@ class Recorder:
             self._pack()
         replica, time_s = record.replica, record.time_s
         self._itl.extend((replica, time_s, gap, count) for gap, count in record.itl)
+        if len(self._itl) >= ROWS_PER_BLOCK:
+            self._pack_itl()
 
     def append_stretch(self, record: StretchRecord) -> None:
         self._pack()
@@ -55,8 +58,8 @@ class Recorder:
                            record.batch_size)
         block[:, tail + 3] = record.num_waiting
         self._blocks.append(block)
-        replica = record.replica
-        self._itl.extend((replica, time_s, gap, count) for time_s, gap, count in record.itl)
+        self._pack_itl()
+        self._itl_blocks.append(np.column_stack((np.full(len(record.itl), record.replica), record.itl)))
 
     def append_finished(self, samples) -> None:
         """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
@@ -79,11 +82,17 @@ class Recorder:
             self._blocks.append(np.array(self._rows, dtype=np.float64))
             self._rows = []
 
+    def _pack_itl(self) -> None:
+        if self._itl:
+            self._itl_blocks.append(np.array(self._itl, dtype=np.float64))
+            self._itl = []
+
     def itl_samples(self) -> np.ndarray:
         """(time_s, gap_s, count) rows, replica by replica, each replica's in time order."""
-        if not self._itl:
+        self._pack_itl()
+        if not self._itl_blocks:
             return np.empty((0, 3))
-        data = np.array(self._itl, dtype=np.float64)
+        data = np.concatenate(self._itl_blocks)
         order = np.argsort(data[:, 0], kind="stable")
         return data[order, 1:]
 

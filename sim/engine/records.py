@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from sim.kvcache.base import KVUsage
 
 
@@ -28,12 +30,12 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class StretchRecord:
-    """len(times_s) decode steps of batch_size sequences, one token each per step."""
+    """len(times_s) decode steps of batch_size sequences, one token each per step (in arrays)."""
     replica: int
-    times_s: tuple[float, ...]              # each step's end
-    usage: tuple[tuple[int, ...], ...]      # each step's KVUsage.as_tuple()
+    times_s: np.ndarray     # each step's end
+    usage: np.ndarray       # each step's KVUsage.as_tuple(), one row per step
     capacity: int
     batch_size: int
     num_running: int
-    num_waiting: tuple[int, ...]            # after each step
-    itl: tuple[tuple[float, float, int], ...]  # (time_s, gap_s, count) over the steps
+    num_waiting: np.ndarray  # after each step
+    itl: np.ndarray         # rows (time_s, gap_s, count) over the steps

@@ -10,7 +10,6 @@ one queued behind a blocked head only counts as waiting from then on.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from typing import Callable
 
 import numpy as np
@@ -29,7 +28,7 @@ class Replica:
         self.env, self.index, self.scheduler, self.latency = env, index, scheduler, latency
         self.recorder, self.on_finish, self.step_exact = recorder, on_finish, step_exact
         self._wakeup: simpy.Event | None = None
-        self._stretch_ends: list[float] | None = None  # the stretch in progress: each step's end
+        self._stretch_ends: np.ndarray | None = None    # the stretch in progress: each step's end
         self._stretch_steps = 0                         # steps it runs (cut short by a submit)
         self._stretch_open = False                      # whether the queue was empty (a submit cuts)
         self._stretch_submits: list[float] = []         # when requests queued behind a blocked head
@@ -44,7 +43,7 @@ class Replica:
             if not self._stretch_open:
                 self._stretch_submits.append(self.env.now)
                 return
-            step = bisect_left(self._stretch_ends, self.env.now) + 1  # the step in progress
+            step = int(np.searchsorted(self._stretch_ends, self.env.now)) + 1  # the step in progress
             if step < self._stretch_steps:
                 self._stretch_steps = step
                 self.process.interrupt()
@@ -91,13 +90,13 @@ class Replica:
         contexts = plan.shape.decode_context_tokens + num_seqs * np.arange(steps)
         durations = self.latency.decode_step_times(num_seqs, contexts)
         # Each step's end as the step-by-step loop computes it: one addition after another.
-        ends = np.cumsum(np.concatenate(([env.now], durations)))[1:].tolist()
+        ends = np.cumsum(np.concatenate(([env.now], durations)))[1:]
         self._stretch_ends, self._stretch_steps = ends, steps
         num_waiting = scheduler.num_waiting
         self._stretch_open, self._stretch_submits = num_waiting == 0, []
         while True:
             try:
-                yield env.timeout_at(ends[self._stretch_steps - 1])
+                yield env.timeout_at(float(ends[self._stretch_steps - 1]))
                 break
             except simpy.Interrupt:  # a submit cut the stretch: wait for the new last step
                 continue
@@ -106,9 +105,8 @@ class Replica:
             return plan
         silent_ends = ends[:done - 1]
         itl, usage = scheduler.advance_decode(silent_ends, num_waiting)
-        submits = self._stretch_submits  # in time order; one at a step's end counts at that step
-        waiting = tuple(num_waiting + bisect_right(submits, end) for end in silent_ends)
+        # Requests queued behind the blocked head, in time order; one at a step's end counts there.
+        waiting = num_waiting + np.searchsorted(self._stretch_submits, silent_ends, side="right")
         self.recorder.append_stretch(StretchRecord(
-            self.index, tuple(silent_ends), tuple(usage), scheduler.capacity,
-            num_seqs, num_seqs, waiting, tuple(itl)))
+            self.index, silent_ends, usage, scheduler.capacity, num_seqs, num_seqs, waiting, itl))
         return scheduler.decode_plan(int(contexts[done - 1]))

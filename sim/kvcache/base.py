@@ -51,9 +51,10 @@ def slack_split(allocated: int, computed: int, final_len: int) -> tuple[int, int
     return reserved, allocated - computed - reserved
 
 
-def advance_decode_token_by_token(allocator, seqs, num_steps: int, first_waiting) -> list[tuple]:
+def advance_decode_token_by_token(allocator, seqs, num_steps: int, first_waiting) -> np.ndarray:
     """Memory for a decode stretch, one allocate per sequence per step: the usage after each of
-    num_steps steps (the first already allocated), then the allocation of the step after them."""
+    num_steps steps (the first already allocated; rows of KVUsage.as_tuple()), then the
+    allocation of the step after them."""
     rows = []
     allocate, usage = allocator.allocate, allocator.usage
     for _ in range(num_steps):
@@ -61,7 +62,7 @@ def advance_decode_token_by_token(allocator, seqs, num_steps: int, first_waiting
         for seq in seqs:
             if allocate(seq, 1) is None:
                 raise AssertionError(f"decode stretch ran out of memory at sequence {seq.seq_id}")
-    return rows
+    return np.array(rows, dtype=np.int64).reshape(num_steps, len(USAGE_FIELDS))
 
 
 def decode_units_needed(allocated: int, slots: int, unit: int, steps: int) -> int:

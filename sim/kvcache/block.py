@@ -239,9 +239,9 @@ class BlockAllocator:
             state.append((record.num_tokens, len(record.table) * size))
         return last_step_that_fits(state, self.pool.num_free, size, limit)
 
-    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
-        """As num_steps rounds of usage() then allocate(seq, 1) for each seq, with the same
-        state after: blocks are taken and full blocks keyed in the same order (step by step,
+    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
+        """As num_steps rounds of usage() then allocate(seq, 1) for each seq (the usages as rows
+        of KVUsage.as_tuple()), with the same state after: blocks are taken and full blocks keyed in the same order (step by step,
         sequence by sequence), and the slack totals are recomputed from the sequences' ends."""
         if self.num_forked:  # tails shared between samples: count them one token at a time
             return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
@@ -252,21 +252,20 @@ class BlockAllocator:
         final_len = np.array([r.final_len for r in records], dtype=np.int64)
         ends = allocated[:, None] + np.arange(num_steps + 1)  # after each round's allocation
         slots_at = np.maximum(slots[:, None], -(-ends // size) * size)
-        reserved_before, internal_before = decode_slack_rows(ends[:, :1], slots_at[:, :1], final_len)
         reserved, internal = decode_slack_rows(ends, slots_at, final_len)
-        reserved += self.total_reserved - reserved_before[0]  # sequences outside the batch
-        internal += self.total_internal - internal_before[0]
+        reserved += self.total_reserved - reserved[0]  # sequences outside the batch
+        internal += self.total_internal - internal[0]
         num_free = self.pool.num_free - ((slots_at - slots[:, None]) // size).sum(axis=0)
         cached_free = self._take_decode_blocks(seqs, records, allocated, slots, num_steps)
         for record, end in zip(records, ends[:, -1].tolist()):
             record.num_tokens = end
         self.total_reserved, self.total_internal = int(reserved[-1]), int(internal[-1])
-        rows = []
-        for step in range(num_steps):
-            free, idle = int(num_free[step]) * size, cached_free[step] * size
-            rows.append(((self.num_blocks * size - free) - int(reserved[step]) - int(internal[step]),
-                         int(reserved[step]), int(internal[step]), 0, idle, free - idle))
-        return rows
+        free = num_free[:num_steps] * size
+        idle = np.array(cached_free, dtype=np.int64) * size
+        reserved, internal = reserved[:num_steps], internal[:num_steps]
+        zero = np.zeros(num_steps, dtype=np.int64)
+        return np.column_stack((self.num_blocks * size - free - reserved - internal, reserved,
+                                internal, zero, idle, free - idle))
 
     def _take_decode_blocks(self, seqs, records, allocated: np.ndarray, slots: np.ndarray,
                             num_steps: int) -> list[int]:

@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
 from sim.scheduler.sequence import Sequence
@@ -248,30 +250,28 @@ class Scheduler:
             return 1
         return self.allocator.decode_steps_that_fit(running, steps)
 
-    def advance_decode(self, step_ends: list[float], num_waiting: int) -> tuple[list, list]:
+    def advance_decode(self, step_ends: np.ndarray, num_waiting: int) -> tuple[np.ndarray, np.ndarray]:
         """Commit len(step_ends) decode steps of the running batch, each ending at its time, and
         allocate the next step's tokens. No sequence finishes; num_waiting requests waited
         throughout (requests queued since came after the last of these steps, or behind them).
-        Returns the steps' inter-token gaps as (time_s, gap_s, count) and the memory breakdown
-        after each step."""
+        Returns the steps' inter-token gaps as rows (time_s, gap_s, count) and the memory
+        breakdown after each step (rows of KVUsage.as_tuple())."""
         running = self.running
         head = self.waiting[0] if num_waiting else None  # a stretch has nothing swapped
         usage_rows = self.allocator.advance_decode(running, len(step_ends), head)
-        first_end, num_steps = step_ends[0], len(step_ends)
+        first_end, num_steps, last_end = float(step_ends[0]), len(step_ends), float(step_ends[-1])
         gaps: dict[float, int] = {}
         for seq in running:
             gap = first_end - seq.last_token_time_s
             gaps[gap] = gaps.get(gap, 0) + 1
-        itl = [(first_end, gap, count) for gap, count in gaps.items()]
-        num_seqs = len(running)
-        itl.extend((end, end - before, num_seqs) for before, end in zip(step_ends, step_ends[1:]))
-        last_end = step_ends[-1]
+        first = np.array([(first_end, gap, count) for gap, count in gaps.items()]).reshape(-1, 3)
+        rest = np.column_stack((step_ends[1:], np.diff(step_ends), np.full(num_steps - 1, len(running))))
         for seq in running:
             seq.num_computed += num_steps
             seq.num_tokens += num_steps
             seq.num_output += num_steps
             seq.last_token_time_s = last_end
-        return itl, usage_rows
+        return np.concatenate((first, rest)), usage_rows
 
     def decode_plan(self, decode_context_tokens: int) -> StepPlan:
         """The plan of a decode stretch's step: every running sequence, one token each."""
