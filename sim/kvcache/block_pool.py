@@ -9,7 +9,9 @@ A block is free exactly when its reference count is 0. Taking a block pops the f
 (entries of blocks revived or pushed again since are skipped) and drops its key, if any: lazy
 eviction. The sort key comes from sim.kvcache.eviction (BLOCK_EVICTION_ORDERS); ties go to the
 block pushed first. LRU's key is the push order itself (vLLM's free queue), so its queue is a
-plain FIFO; other keys use a heap.
+plain FIFO of block ids, where a block revived by a hit leaves one stale entry behind, counted and
+skipped when it comes up; other keys use a heap of (key, push number, block) entries, an entry
+being live while it is its block's latest push.
 """
 from __future__ import annotations
 
@@ -45,30 +47,36 @@ class BlockPool:
         self.created = [0] * num_blocks
         self.num_free = num_blocks
         self.num_cached_free = 0
-        self._pushes = num_blocks
-        self._entry = list(range(num_blocks))  # each block's live queue entry (its push number)
-        if self._order is None:  # the free order: entries (push number, block) in a FIFO
-            self._queue = deque((block, block) for block in range(num_blocks))
+        if self._order is None:  # the free order: block ids in a FIFO
+            self._queue = deque(range(num_blocks))
+            self._stale: dict[int, int] = {}  # block -> entries left behind by revivals
         else:
+            self._pushes = num_blocks
+            self._entry = list(range(num_blocks))  # each block's live entry (its push number)
             start = self._order(BlockStats(False, 0, 0, 0))
             self._queue = [(*start, block, block) for block in range(num_blocks)]  # a heap already
 
     def free_blocks(self) -> list[int]:
         """The free blocks in the order they would be taken."""
+        if self._order is None:
+            stale, live = dict(self._stale), []
+            for block in self._queue:
+                if stale.get(block):
+                    stale[block] -= 1
+                else:
+                    live.append(block)
+            return live
         live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
-        return [e[-1] for e in (live if self._order is None else sorted(live))]
+        return [e[-1] for e in sorted(live)]
 
     def take(self, count: int) -> tuple[int, ...]:
         """count free blocks, each with one reference, evicting their cached keys."""
-        queue, ref_count, entry = self._queue, self.ref_count, self._entry
-        block_key, cached, hits = self.block_key, self.cached, self.hits
-        pop = queue.popleft if self._order is None else lambda: heapq.heappop(queue)
-        taken, evicted = [], 0
-        while len(taken) < count:
-            item = pop()
-            block = item[-1]
-            if ref_count[block] or item[-2] != entry[block]:
-                continue  # revived since, or pushed again later
+        if self._order is None:
+            taken = self._take_in_free_order(count)
+        else:
+            taken = self._take_by_key(count)
+        block_key, cached, hits, ref_count, evicted = self.block_key, self.cached, self.hits, self.ref_count, 0
+        for block in taken:
             key = block_key[block]
             if key is not None:
                 evicted += 1
@@ -77,9 +85,34 @@ class BlockPool:
                 block_key[block] = None
             ref_count[block] = 1
             hits[block] = 0
-            taken.append(block)
         self.num_free -= count
         self.num_cached_free -= evicted
+        return taken
+
+    def _take_in_free_order(self, count: int) -> tuple[int, ...]:
+        popleft, stale = self._queue.popleft, self._stale
+        if not stale:
+            return tuple(popleft() for _ in range(count))
+        taken = []
+        while len(taken) < count:
+            block = popleft()
+            left = stale.get(block)
+            if left:  # an entry a revival left behind
+                if left == 1:
+                    del stale[block]
+                else:
+                    stale[block] = left - 1
+                continue
+            taken.append(block)
+        return tuple(taken)
+
+    def _take_by_key(self, count: int) -> tuple[int, ...]:
+        queue, ref_count, entry, pop, taken = self._queue, self.ref_count, self._entry, heapq.heappop, []
+        while len(taken) < count:
+            item = pop(queue)
+            block = item[-1]
+            if not ref_count[block] and item[-2] == entry[block]:  # not revived or pushed again since
+                taken.append(block)
         return tuple(taken)
 
     def touch(self, blocks) -> None:
@@ -92,6 +125,8 @@ class BlockPool:
                 self.num_free -= 1
                 if block_key[block] is not None:
                     self.num_cached_free -= 1
+                if self._order is None:
+                    self._stale[block] = self._stale.get(block, 0) + 1
             ref_count[block] += 1
             hits[block] += 1
             clock += 1
@@ -106,41 +141,42 @@ class BlockPool:
     def release(self, blocks) -> None:
         """One reference less to each block, in this order; a block reaching 0 joins the queue."""
         self.clock = clock = self.clock + 1
-        ref_count, last_access, block_key, entry = self.ref_count, self.last_access, self.block_key, self._entry
+        ref_count, block_key = self.ref_count, self.block_key
         freed = []
         for block in blocks:
             ref_count[block] -= 1
             if not ref_count[block]:
                 freed.append(block)
-        pushes = self._pushes
         if self._order is None:
-            append = self._queue.append
+            self._queue.extend(freed)
+            last_access = self.last_access
             for block in freed:
-                pushes += 1
-                entry[block] = pushes
                 last_access[block] = clock
-                append((pushes, block))
         else:
-            order, queue = self._order, self._queue
-            for block in freed:
-                pushes += 1
-                entry[block] = pushes
-                last_access[block] = clock
-                stats = BlockStats(block_key[block] is not None, clock, self.hits[block], self.created[block])
-                heapq.heappush(queue, (*order(stats), pushes, block))
-        self._pushes = pushes
+            self._push_by_key(freed, clock)
         self.num_free += len(freed)
         self.num_cached_free += sum(1 for block in freed if block_key[block] is not None)
         if len(self._queue) > 2 * self.num_blocks + 1024:  # entries of revived blocks pile up
             self._compact()
 
+    def _push_by_key(self, freed: list[int], clock: int) -> None:
+        order, queue, entry, last_access = self._order, self._queue, self._entry, self.last_access
+        pushes = self._pushes
+        for block in freed:
+            pushes += 1
+            entry[block] = pushes
+            last_access[block] = clock
+            stats = BlockStats(self.block_key[block] is not None, clock, self.hits[block], self.created[block])
+            heapq.heappush(queue, (*order(stats), pushes, block))
+        self._pushes = pushes
+
     def _compact(self) -> None:
-        live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
         if self._order is None:
-            self._queue = deque(live)
-        else:
-            heapq.heapify(live)
-            self._queue = live
+            self._queue, self._stale = deque(self.free_blocks()), {}
+            return
+        live = [e for e in self._queue if self.ref_count[e[-1]] == 0 and e[-2] == self._entry[e[-1]]]
+        heapq.heapify(live)
+        self._queue = live
 
     def drop_reference(self, block: int) -> None:
         """One reference less to a block that stays in use by others (copy-on-write)."""
