@@ -275,13 +275,20 @@ class BlockAllocator:
         """The block and keying events of rounds 1..num_steps in allocate's order; returns the
         cached free blocks left after each round 0..num_steps - 1."""
         size, caching, pool = self.block_size, self.enable_caching, self.pool
+        if not caching:  # no keys: take every round's blocks at once, handed out in allocate's order
+            events = sorted((end - start, index) for index, (start, have) in
+                            enumerate(zip(allocated.tolist(), slots.tolist()))
+                            for end in range(have + 1, start + num_steps + 1, size))
+            for (_, index), block in zip(events, pool.take(len(events))):
+                records[index].table.append(block)
+            return [pool.num_cached_free] * num_steps
         # (round, sequence index, end, takes a block): allocate's slow path at the first token
         # past the last block, its fast path keying a block the token fills (size 1: both at once)
         events = []
         for index, (start, have) in enumerate(zip(allocated.tolist(), slots.tolist())):
             last = start + num_steps
             events.extend((end - start, index, end, True) for end in range(have + 1, last + 1, size))
-            if caching and size > 1:
+            if size > 1:
                 first_key = (start // size + 1) * size
                 events.extend((end - start, index, end, False) for end in range(first_key, last + 1, size))
         events.sort()
@@ -293,8 +300,7 @@ class BlockAllocator:
             record = records[index]
             if takes_block:
                 record.table.extend(pool.take(1))
-            if caching:
-                self._key_full_blocks(seqs[index], record, end)
+            self._key_full_blocks(seqs[index], record, end)
         while done < num_steps:
             cached_free.append(pool.num_cached_free)
             done += 1
