@@ -2,7 +2,9 @@
 
 Appends only: step and stretch records from the replicas (sim.engine.records), finished and
 rejected requests from the cluster. Timeline rows come out in time order (replica order on a tie),
-inter-token gaps replica by replica in time order, whatever order the records came in.
+inter-token gaps replica by replica in time order, whatever order the records came in. Rows are
+packed into arrays as they come (times as float64, counts as int32 when they fit), so a run of
+millions of steps keeps about 70 bytes per step.
 """
 from __future__ import annotations
 
@@ -24,42 +26,57 @@ TIMELINE_COLUMNS = ("replica", "time_s", "capacity", *USAGE_FIELDS, "batch_size"
 ROWS_PER_BLOCK = 4096  # single-step rows are packed into arrays this many at a time
 
 
+INT_COLUMNS = tuple(name for name in TIMELINE_COLUMNS if name != "time_s")
+
+
+def _compact(ints: np.ndarray) -> np.ndarray:
+    """int32 when every value fits (token counts of one pool do), else int64."""
+    if ints.size and (ints.max() > np.iinfo(np.int32).max or ints.min() < np.iinfo(np.int32).min):
+        return ints.astype(np.int64)
+    return ints.astype(np.int32)
+
+
 class Recorder:
     def __init__(self):
         self.requests: list[tuple] = []
-        self._rows: list[tuple] = []
-        self._blocks: list[np.ndarray] = []
-        self._itl: list[tuple[int, float, float, int]] = []  # (replica, time_s, gap_s, count)
-        self._itl_blocks: list[np.ndarray] = []
+        self._rows: list[tuple] = []               # single steps not yet packed: (time_s, *ints)
+        self._times: list[np.ndarray] = []         # packed timeline: each block's step ends
+        self._ints: list[np.ndarray] = []          # and its INT_COLUMNS
+        self._itl: list[tuple[float, float, int, int]] = []  # (time_s, gap_s, replica, count)
+        self._itl_floats: list[np.ndarray] = []    # packed gaps: (time_s, gap_s)
+        self._itl_ints: list[np.ndarray] = []      # and (replica, count)
 
     def append_step(self, record: StepRecord) -> None:
         usage = record.usage
-        self._rows.append((record.replica, record.time_s, usage.capacity, *usage.as_tuple(),
+        self._rows.append((record.time_s, record.replica, usage.capacity, *usage.as_tuple(),
                            record.batch_size, record.num_batched_tokens, record.num_running,
                            record.num_waiting, record.num_preempted, record.num_swapped_tokens,
                            record.num_output_tokens))
         if len(self._rows) >= ROWS_PER_BLOCK:
             self._pack()
         replica, time_s = record.replica, record.time_s
-        self._itl.extend((replica, time_s, gap, count) for gap, count in record.itl)
+        self._itl.extend((time_s, gap, replica, count) for gap, count in record.itl)
         if len(self._itl) >= ROWS_PER_BLOCK:
             self._pack_itl()
 
     def append_stretch(self, record: StretchRecord) -> None:
         self._pack()
         steps = len(record.times_s)
-        block = np.empty((steps, len(TIMELINE_COLUMNS)))
-        block[:, 0] = record.replica
-        block[:, 1] = record.times_s
-        block[:, 2] = record.capacity
-        block[:, 3:3 + len(USAGE_FIELDS)] = record.usage
-        tail = 3 + len(USAGE_FIELDS)
-        block[:, tail:] = (record.batch_size, record.batch_size, record.num_running, 0, 0, 0,
-                           record.batch_size)
-        block[:, tail + 3] = record.num_waiting
-        self._blocks.append(block)
+        ints = np.empty((steps, len(INT_COLUMNS)), dtype=np.int64)
+        ints[:, 0] = record.replica
+        ints[:, 1] = record.capacity
+        ints[:, 2:2 + len(USAGE_FIELDS)] = record.usage
+        tail = 2 + len(USAGE_FIELDS)
+        ints[:, tail:] = (record.batch_size, record.batch_size, record.num_running, 0, 0, 0,
+                          record.batch_size)
+        ints[:, tail + 3] = record.num_waiting
+        self._times.append(np.asarray(record.times_s, dtype=np.float64))
+        self._ints.append(_compact(ints))
         self._pack_itl()
-        self._itl_blocks.append(np.column_stack((np.full(len(record.itl), record.replica), record.itl)))
+        itl = np.asarray(record.itl, dtype=np.float64).reshape(-1, 3)
+        self._itl_floats.append(itl[:, :2].copy())
+        self._itl_ints.append(np.column_stack((np.full(len(itl), record.replica, dtype=np.int32),
+                                               itl[:, 2].astype(np.int32))))
 
     def append_finished(self, samples) -> None:
         """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
@@ -79,22 +96,26 @@ class Recorder:
 
     def _pack(self) -> None:
         if self._rows:
-            self._blocks.append(np.array(self._rows, dtype=np.float64))
+            rows = np.array(self._rows, dtype=np.float64)
+            self._times.append(rows[:, 0].copy())
+            self._ints.append(_compact(rows[:, 1:].astype(np.int64)))
             self._rows = []
 
     def _pack_itl(self) -> None:
         if self._itl:
-            self._itl_blocks.append(np.array(self._itl, dtype=np.float64))
+            rows = np.array(self._itl, dtype=np.float64)
+            self._itl_floats.append(rows[:, :2].copy())
+            self._itl_ints.append(rows[:, 2:].astype(np.int32))
             self._itl = []
 
     def itl_samples(self) -> np.ndarray:
         """(time_s, gap_s, count) rows, replica by replica, each replica's in time order."""
         self._pack_itl()
-        if not self._itl_blocks:
+        if not self._itl_floats:
             return np.empty((0, 3))
-        data = np.concatenate(self._itl_blocks)
-        order = np.argsort(data[:, 0], kind="stable")
-        return data[order, 1:]
+        floats, ints = np.concatenate(self._itl_floats), np.concatenate(self._itl_ints)
+        order = np.argsort(ints[:, 0], kind="stable")
+        return np.column_stack((floats[order], ints[order, 1]))
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
@@ -105,9 +126,12 @@ class Recorder:
         requests["tpot_s"] = np.where(
             multi, (requests.e2e_s - requests.ttft_s) / (requests.output_tokens - 1).clip(lower=1), np.nan)
         self._pack()
-        data = (np.concatenate(self._blocks) if self._blocks
-                else np.empty((0, len(TIMELINE_COLUMNS))))
-        data = data[np.lexsort((data[:, 0], data[:, 1]))]  # by time, then replica
-        timeline = pd.DataFrame({name: (data[:, i] if name == "time_s" else data[:, i].astype(np.int64))
-                                 for i, name in enumerate(TIMELINE_COLUMNS)})
+        times = np.concatenate(self._times) if self._times else np.empty(0)
+        ints = (np.concatenate(self._ints) if self._ints
+                else np.empty((0, len(INT_COLUMNS)), dtype=np.int64))
+        order = np.lexsort((ints[:, 0], times))  # by time, then replica
+        columns = {"time_s": times[order]}
+        for i, name in enumerate(INT_COLUMNS):
+            columns[name] = ints[order, i].astype(np.int64)
+        timeline = pd.DataFrame({name: columns[name] for name in TIMELINE_COLUMNS})
         return requests, timeline
