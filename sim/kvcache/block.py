@@ -78,22 +78,20 @@ class BlockAllocator:
         """Cached full blocks at the start of seq; a pure query."""
         if not self.enable_caching:
             return NO_HIT
-        cached, blocks = self.pool.cached, []
-        for key in self._block_keys(seq, (seq.num_tokens - 1) // self.block_size):
+        cached, blocks, count = self.pool.cached, [], (seq.num_tokens - 1) // self.block_size
+        for key in self._block_keys(seq, count)[:count]:
             block = cached.get(key)
             if block is None:
                 break
             blocks.append(block)
         return PrefixHit(len(blocks) * self.block_size, tuple(blocks)) if blocks else NO_HIT
 
-    def _block_keys(self, seq, count: int):
-        """The keys of seq's first count blocks, each computed once while seq lives (a lookup
-        stopping at its first miss computes no further)."""
+    def _block_keys(self, seq, count: int) -> list[tuple]:
+        """The keys of seq's first count blocks (or more), each computed once while seq lives."""
         keys = self._keys.setdefault(seq.seq_id, [])
-        yield from keys[:count]
-        for key in seq.request.prefix_keys(self.block_size, len(keys), count):
-            keys.append(key)
-            yield key
+        if len(keys) < count:
+            keys.extend(seq.request.prefix_keys(self.block_size, len(keys), count))
+        return keys
 
     def _key_full_blocks(self, seq, record: SeqBlocks, end: int) -> None:
         """Key the blocks that tokens up to `end` filled (one clock tick for the call)."""
@@ -101,9 +99,7 @@ class BlockAllocator:
         pool.clock += 1
         if last <= first:
             return
-        keys = self._keys.setdefault(seq.seq_id, [])
-        if len(keys) < last:
-            keys.extend(seq.request.prefix_keys(self.block_size, len(keys), last))
+        keys = self._block_keys(seq, last)
         pool.set_keys(record.table[first:last], keys[first:last])
         record.num_keyed = last
 

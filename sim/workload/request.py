@@ -52,20 +52,27 @@ class Request:
         return (self.prefix_ids[j], self.segments[j][0], end - self.segment_starts[j])
 
 
-    def prefix_keys(self, block_size: int, first_block: int, end_block: int):
-        """prefix_key((i + 1) * block_size) for i in [first_block, end_block), in one pass."""
-        starts, segments, prompt_len = self.segment_starts, self.segments, self.prompt_len
-        j = -1
-        for i in range(first_block, end_block):
-            end = (i + 1) * block_size
-            if end > prompt_len:
-                yield (self.prefix_ids[-1], self.output_content_id, end - prompt_len)
-                continue
-            if j < 0:
-                j = bisect_right(starts, end - 1) - 1
-            while end > starts[j] + segments[j][1]:
+    def prefix_keys(self, block_size: int, first_block: int, end_block: int) -> list[tuple[int, int, int]]:
+        """prefix_key((i + 1) * block_size) for i in [first_block, end_block), a segment's
+        blocks at a time."""
+        keys: list[tuple[int, int, int]] = []
+        end, last = (first_block + 1) * block_size, end_block * block_size  # block ends, inclusive
+        prompt_last = min(last, self.prompt_len)
+        starts, segments = self.segment_starts, self.segments
+        if end <= prompt_last:
+            j = bisect_right(starts, end - 1) - 1  # the segment holding token end - 1
+            while end <= prompt_last:
+                start = starts[j]
+                stop = min(start + segments[j][1], prompt_last)
+                if stop >= end:
+                    prefix_id, content_id = self.prefix_ids[j], segments[j][0]
+                    keys.extend([(prefix_id, content_id, e - start) for e in range(end, stop + 1, block_size)])
+                    end += ((stop - end) // block_size + 1) * block_size
                 j += 1
-            yield (self.prefix_ids[j], segments[j][0], end - starts[j])
+        if end <= last:
+            prefix_id, content_id, prompt_len = self.prefix_ids[-1], self.output_content_id, self.prompt_len
+            keys.extend([(prefix_id, content_id, e - prompt_len) for e in range(end, last + 1, block_size)])
+        return keys
 
 
 def make_request(interner: PrefixInterner, request_id: int, segments, output_len: int,
