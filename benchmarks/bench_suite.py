@@ -32,8 +32,11 @@ SHAREGPT_ROWS = 4000  # rows of the shipped sample; bigger workloads replay it (
 
 
 def sharegpt(num_requests: int, replicas: int = 16) -> list[str]:
+    """Exactly num_requests: the sample's first num_requests / repeat rows, repeat times."""
     repeat = max(1, -(-num_requests // SHAREGPT_ROWS))
-    return ["scenario=sharegpt", f"scenario.max_requests={min(num_requests, SHAREGPT_ROWS)}",
+    while num_requests % repeat:
+        repeat += 1
+    return ["scenario=sharegpt", f"scenario.max_requests={num_requests // repeat}",
             f"+scenario.repeat={repeat}", f"scenario.arrival_rate_rps={3.2 * replicas}",
             f"cluster.num_replicas={replicas}"]
 
