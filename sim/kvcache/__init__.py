@@ -11,6 +11,19 @@ Every allocator answers the same ask-then-act calls:
     state_bytes()                      -> host memory the allocator's state may grow to (an estimate
                                           used to refuse clusters too large for the machine)
 
+and, for decode stretches (sim.scheduler.scheduler):
+
+    decode_steps_that_fit(seqs, limit) -> the most steps (<= limit) whose one-token-each decode
+                                          allocations all succeed, the first already made
+    advance_decode(seqs, steps, first_waiting)
+                                       -> `steps` rounds of usage() then allocate(seq, 1) per seq,
+                                          the usages as an array of KVUsage.as_tuple() rows
+    admission_stays_blocked            -> whether an admission refused for memory stays refused
+                                          while running sequences only decode
+
+A lookup changes nothing; the blocks (or tree path) of a hit count their hit when allocate takes
+them.
+
 `seq` is any object with `seq_id`, `request` (for prefix keys), `num_tokens` (tokens known so
 far) and `final_len` (L = min(prompt + output, max_model_len)).
 """

@@ -163,7 +163,8 @@ class Scheduler:
             num_new = seq.num_tokens - hit.num_tokens
             if num_new > budget:
                 if not self.spec.enable_chunked_prefill:
-                    self.admission_blocked_by = BLOCKED_BY_MEMORY  # re-examined every step, as memory
+                    # Over the budget after its prefix hit, which evictions may shrink: as memory.
+                    self.admission_blocked_by = BLOCKED_BY_MEMORY
                     break
                 num_new = budget
             # vLLM v1 admission: the whole current sequence must fit, not only this chunk
