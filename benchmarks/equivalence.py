@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import pandas as pd
 
-from sim.metrics import flatten
-from sim.run import run_all
-from tests.conftest import compose_config
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests package, from a clone
+
+from sim.metrics import flatten  # noqa: E402
+from sim.run import run_all  # noqa: E402
+from tests.conftest import compose_config  # noqa: E402
 
 ALLOCATORS = "[contiguous,contiguous_pow2,contiguous_oracle,paged,prefix,radix]"
 SMALL = {

@@ -3,8 +3,8 @@
 Appends only: step and stretch records from the replicas (sim.engine.records), finished and
 rejected requests from the cluster. Timeline rows come out in time order (replica order on a tie),
 inter-token gaps replica by replica in time order, whatever order the records came in. Rows are
-packed into arrays as they come (times as float64, counts as int32 when they fit), so a run of
-millions of steps keeps about 70 bytes per step.
+packed into arrays as they come (times as float64, counts as int32 when they fit), and small
+arrays joined as they pile up, so a run of millions of steps keeps about 70 bytes per step.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ ROWS_PER_BLOCK = 4096  # single-step rows are packed into arrays this many at a 
 
 
 INT_COLUMNS = tuple(name for name in TIMELINE_COLUMNS if name != "time_s")
+COLUMN = {name: i for i, name in enumerate(INT_COLUMNS)}
+PIECES_PER_BLOCK = 256  # small arrays are joined this many at a time
 
 
 def _compact(ints: np.ndarray) -> np.ndarray:
@@ -36,15 +38,31 @@ def _compact(ints: np.ndarray) -> np.ndarray:
     return ints.astype(np.int32)
 
 
+class Pieces:
+    """Arrays appended one after another, joined as they pile up (one array each costs ~100 B)."""
+
+    def __init__(self):
+        self.blocks: list[np.ndarray] = []
+        self._pending: list[np.ndarray] = []
+
+    def append(self, array: np.ndarray) -> None:
+        self._pending.append(array)
+        if len(self._pending) >= PIECES_PER_BLOCK:
+            self.blocks.append(np.concatenate(self._pending))
+            self._pending = []
+
+    def joined(self, empty: np.ndarray) -> np.ndarray:
+        parts = self.blocks + self._pending
+        return np.concatenate(parts) if parts else empty
+
+
 class Recorder:
     def __init__(self):
         self.requests: list[tuple] = []
-        self._rows: list[tuple] = []               # single steps not yet packed: (time_s, *ints)
-        self._times: list[np.ndarray] = []         # packed timeline: each block's step ends
-        self._ints: list[np.ndarray] = []          # and its INT_COLUMNS
+        self._rows: list[tuple] = []     # single steps not yet packed: (time_s, *INT_COLUMNS)
+        self._times, self._ints = Pieces(), Pieces()    # packed timeline rows
         self._itl: list[tuple[float, float, int, int]] = []  # (time_s, gap_s, replica, count)
-        self._itl_floats: list[np.ndarray] = []    # packed gaps: (time_s, gap_s)
-        self._itl_ints: list[np.ndarray] = []      # and (replica, count)
+        self._itl_floats, self._itl_ints = Pieces(), Pieces()  # packed: (time_s, gap_s), (replica, count)
 
     def append_step(self, record: StepRecord) -> None:
         usage = record.usage
@@ -60,19 +78,17 @@ class Recorder:
             self._pack_itl()
 
     def append_stretch(self, record: StretchRecord) -> None:
-        self._pack()
-        steps = len(record.times_s)
-        ints = np.empty((steps, len(INT_COLUMNS)), dtype=np.int64)
-        ints[:, 0] = record.replica
-        ints[:, 1] = record.capacity
-        ints[:, 2:2 + len(USAGE_FIELDS)] = record.usage
-        tail = 2 + len(USAGE_FIELDS)
-        ints[:, tail:] = (record.batch_size, record.batch_size, record.num_running, 0, 0, 0,
-                          record.batch_size)
-        ints[:, tail + 3] = record.num_waiting
+        """Packed apart from single steps: tables() orders rows by time, gaps by replica and time."""
+        ints = np.zeros((len(record.times_s), len(INT_COLUMNS)), dtype=np.int64)
+        ints[:, COLUMN["replica"]] = record.replica
+        ints[:, COLUMN["capacity"]] = record.capacity
+        for i, name in enumerate(USAGE_FIELDS):
+            ints[:, COLUMN[name]] = record.usage[:, i]
+        for name in ("batch_size", "num_batched_tokens", "num_running", "num_output_tokens"):
+            ints[:, COLUMN[name]] = record.batch_size  # one token each, every sequence running
+        ints[:, COLUMN["num_waiting"]] = record.num_waiting
         self._times.append(np.asarray(record.times_s, dtype=np.float64))
         self._ints.append(_compact(ints))
-        self._pack_itl()
         itl = np.asarray(record.itl, dtype=np.float64).reshape(-1, 3)
         self._itl_floats.append(itl[:, :2].copy())
         self._itl_ints.append(np.column_stack((np.full(len(itl), record.replica, dtype=np.int32),
@@ -109,12 +125,12 @@ class Recorder:
             self._itl = []
 
     def itl_samples(self) -> np.ndarray:
-        """(time_s, gap_s, count) rows, replica by replica, each replica's in time order."""
+        """(time_s, gap_s, count) rows, replica by replica, each replica's in time order (the
+        gaps of one step in the order its commit counted them)."""
         self._pack_itl()
-        if not self._itl_floats:
-            return np.empty((0, 3))
-        floats, ints = np.concatenate(self._itl_floats), np.concatenate(self._itl_ints)
-        order = np.argsort(ints[:, 0], kind="stable")
+        floats = self._itl_floats.joined(np.empty((0, 2)))
+        ints = self._itl_ints.joined(np.empty((0, 2), dtype=np.int32))
+        order = np.lexsort((floats[:, 0], ints[:, 0]))  # stable: a step's gaps stay together
         return np.column_stack((floats[order], ints[order, 1]))
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -126,9 +142,8 @@ class Recorder:
         requests["tpot_s"] = np.where(
             multi, (requests.e2e_s - requests.ttft_s) / (requests.output_tokens - 1).clip(lower=1), np.nan)
         self._pack()
-        times = np.concatenate(self._times) if self._times else np.empty(0)
-        ints = (np.concatenate(self._ints) if self._ints
-                else np.empty((0, len(INT_COLUMNS)), dtype=np.int64))
+        times = self._times.joined(np.empty(0))
+        ints = self._ints.joined(np.empty((0, len(INT_COLUMNS)), dtype=np.int64))
         order = np.lexsort((ints[:, 0], times))  # by time, then replica
         columns = {"time_s": times[order]}
         for i, name in enumerate(INT_COLUMNS):

@@ -1,6 +1,7 @@
 """Decode stretches (issue 9): one event per change of the batch gives the step-by-step loop's
 results exactly, on every scenario and allocator; the pieces that make that so, one by one."""
 import copy
+import json
 
 import numpy as np
 import pandas as pd
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.engine.clock import Environment
-from sim.kvcache.base import advance_decode_token_by_token
+from sim.kvcache.base import decode_rounds_token_by_token
 from sim.kvcache.block import BlockAllocator
 from sim.latency.model import BatchShape
 from sim.metrics import flatten
@@ -37,6 +38,13 @@ CASES = {
     "parallel_samples": ["scenario=synthetic", "scenario.num_requests=60", "scenario.n=4",
                          "allocators=[paged,prefix,contiguous_oracle]"],
     "vidur_matched": ["+experiment=vidur_matched", "trace.max_requests=150"],
+    # A chunk capped by the budget needs no more blocks when the head's hit shrinks: FIFO and LFU
+    # can then free more than they take; only LRU (or a full-sequence reservation) stays blocked.
+    "prefix_fifo_lfu_chunk_capped": ["+experiment=golden", "allocators=[prefix,paged]",
+                                     "+allocator_options.prefix.eviction=fifo",
+                                     "scheduler_reserve_full_isl=false", "max_num_batched_tokens=256"],
+    "round_robin_small_batches": ["+experiment=golden", "router=round_robin", "max_num_seqs=4",
+                                  "cluster.num_replicas=3", ALLOCATORS],
 }
 
 
@@ -54,6 +62,26 @@ def test_stretches_give_the_step_by_step_results(case):
         assert ma == mb, (case, a.allocator, [k for k in ma if ma[k] != mb.get(k)])
         pd.testing.assert_frame_equal(a.requests, b.requests)
         pd.testing.assert_frame_equal(a.timeline, b.timeline)
+
+
+def test_a_submit_at_exactly_a_step_end_counts_after_that_step(tmp_path):
+    """A subagent's next turn (zero think time) is submitted to the other replica at the very
+    instant one of that replica's steps ends; the plain loop sees it one step later."""
+    session = {"id": "s0", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 0,
+               "system_tokens": 0, "requests": [
+                   {"t": 0.0, "type": "n", "in": 640, "out": 100, "hash_ids": list(range(1, 11)),
+                    "api_time": 0.0, "think_time": 0.0},
+                   {"t": 0.0, "type": "subagent", "requests": [
+                       {"t": 0.0, "type": "n", "in": 640, "out": 50,
+                        "hash_ids": list(range(100, 110)), "api_time": 0.0, "think_time": 0.0},
+                       {"t": 1.0, "type": "n", "in": 1344, "out": 30,
+                        "hash_ids": list(range(200, 221)), "api_time": 0.0, "think_time": 0.0}]}]}
+    (tmp_path / "trace_0000.json").write_text(json.dumps(session))
+    overrides = ["scenario=trace", f"trace.path={tmp_path}", "trace.format=agentic",
+                 "router=round_robin", "cluster.num_replicas=2", "allocators=[paged]"]
+    [exact], [jumped] = results(overrides, True), results(overrides, False)
+    pd.testing.assert_frame_equal(exact.requests, jumped.requests)
+    pd.testing.assert_frame_equal(exact.timeline, jumped.timeline)
 
 
 def test_stretches_take_fewer_events_than_steps():
@@ -141,11 +169,11 @@ def test_block_allocator_decode_stretch_equals_token_by_token(caching, block_siz
     if limit < 200:  # and step limit + 1 would not
         spare = copy.deepcopy((alloc, seqs))
         with pytest.raises(AssertionError, match="ran out of memory"):
-            advance_decode_token_by_token(spare[0], spare[1], limit, None)
+            decode_rounds_token_by_token(spare[0], spare[1], limit, None)
     if limit < 2:
         return
     steps = data.draw(st.integers(1, limit - 1))  # commits steps 1..steps, allocates steps + 1
     twin = copy.deepcopy((alloc, seqs))
-    rows = alloc.advance_decode(seqs, steps)
-    assert np.array_equal(rows, advance_decode_token_by_token(twin[0], twin[1], steps, None))
+    rows = alloc.decode_rounds(seqs, steps)
+    assert np.array_equal(rows, decode_rounds_token_by_token(twin[0], twin[1], steps, None))
     assert _state(alloc) == _state(twin[0])

@@ -3,7 +3,10 @@
 A decode stretch knows each step's end as the step-by-step loop computes it (one addition after
 another). A relative delay added to the stretch's start cannot reach every such float (with the
 start's low bits, some sums round past it), so the stretch's wake-up is queued at the exact time,
-as SimPy's own schedule() queues an event (time, priority, id, event).
+as SimPy's own schedule() queues an event (time, priority, id, event). SimPy has no public call
+for that, so this writes the queue entry and the triggered state as Timeout.__init__ and
+schedule() do (simpy 4's internals; pyproject pins simpy below 5, and tests/test_stretch.py
+checks the exact time is reached).
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 The recorder (sim.recorder) only appends them; nothing downstream reads a scheduler or an
 allocator. A stretch stands for consecutive decode-only steps of one unchanged batch (see
-sim.scheduler.scheduler): the same fields as that many step records, in columns.
+sim.scheduler.scheduler) as that many step records would, in columns: every sequence of the batch
+is running and decodes one token a step, so batch size, batched tokens, running sequences and
+output tokens are all batch_size, and nothing is preempted or swapped.
 """
 from __future__ import annotations
 
@@ -36,6 +38,5 @@ class StretchRecord:
     usage: np.ndarray       # each step's KVUsage.as_tuple(), one row per step
     capacity: int
     batch_size: int
-    num_running: int
     num_waiting: np.ndarray  # after each step
     itl: np.ndarray         # rows (time_s, gap_s, count) over the steps

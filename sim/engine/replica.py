@@ -5,8 +5,11 @@ process waits that long, then the plan is committed and a step record appended. 
 starts a decode stretch (sim.scheduler.scheduler) waits once for all of the stretch's steps: an
 event per change of the batch, not per step. A request submitted meanwhile to an empty queue cuts
 the stretch at the end of the step in progress, where the step-by-step loop would first see it;
-one queued behind a blocked head only counts as waiting from then on.
-`step_exact=True` keeps one event per step; both give the same results.
+one queued behind a blocked head only counts as waiting from then on. A submit at exactly a
+step's end time counts after that step, as SimPy orders an event created at that instant after
+the step's end, queued when the step began. `step_exact=True` keeps one event per step; both
+give the same results (docs/design.md says the one exception: a submit whose event was queued
+before the step began, at exactly its end time).
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ class Replica:
             if not self._stretch_open:
                 self._stretch_submits.append(self.env.now)
                 return
-            step = int(np.searchsorted(self._stretch_ends, self.env.now)) + 1  # the step in progress
+            # The step in progress; at exactly a step's end, the next one (see the module's doc).
+            step = int(np.searchsorted(self._stretch_ends, self.env.now, side="right")) + 1
             if step < self._stretch_steps:
                 self._stretch_steps = step
                 self.process.interrupt()
@@ -105,8 +109,8 @@ class Replica:
             return plan
         silent_ends = ends[:done - 1]
         itl, usage = scheduler.advance_decode(silent_ends, num_waiting)
-        # Requests queued behind the blocked head, in time order; one at a step's end counts there.
-        waiting = num_waiting + np.searchsorted(self._stretch_submits, silent_ends, side="right")
+        # Requests queued behind the blocked head, in time order; one at a step's end counts after.
+        waiting = num_waiting + np.searchsorted(self._stretch_submits, silent_ends, side="left")
         self.recorder.append_stretch(StretchRecord(
-            self.index, silent_ends, usage, scheduler.capacity, num_seqs, num_seqs, waiting, itl))
+            self.index, silent_ends, usage, scheduler.capacity, num_seqs, waiting, itl))
         return scheduler.decode_plan(int(contexts[done - 1]))

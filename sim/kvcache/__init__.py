@@ -15,10 +15,11 @@ and, for decode stretches (sim.scheduler.scheduler):
 
     decode_steps_that_fit(seqs, limit) -> the most steps (<= limit) whose one-token-each decode
                                           allocations all succeed, the first already made
-    advance_decode(seqs, steps, first_waiting)
+    decode_rounds(seqs, steps, first_waiting)
                                        -> `steps` rounds of usage() then allocate(seq, 1) per seq,
                                           the usages as an array of KVUsage.as_tuple() rows
-    admission_stays_blocked            -> whether an admission refused for memory stays refused
+    admission_stays_blocked(full_sequence_reserved)
+                                       -> whether an admission refused for memory stays refused
                                           while running sequences only decode
 
 A lookup changes nothing; the blocks (or tree path) of a hit count their hit when allocate takes

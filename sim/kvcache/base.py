@@ -51,7 +51,7 @@ def slack_split(allocated: int, computed: int, final_len: int) -> tuple[int, int
     return reserved, allocated - computed - reserved
 
 
-def advance_decode_token_by_token(allocator, seqs, num_steps: int, first_waiting) -> np.ndarray:
+def decode_rounds_token_by_token(allocator, seqs, num_steps: int, first_waiting) -> np.ndarray:
     """Memory for a decode stretch, one allocate per sequence per step: the usage after each of
     num_steps steps (the first already allocated; rows of KVUsage.as_tuple()), then the
     allocation of the step after them."""

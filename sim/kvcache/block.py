@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token,
+from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
                               decode_slack_rows, last_step_that_fits, slack_split)
 from sim.kvcache.block_pool import BlockPool
 
@@ -222,10 +222,14 @@ class BlockAllocator:
         return reserved, internal
 
     # -- decode stretches ----------------------------------------------------------------------
-    # A blocked admission stays blocked while running sequences only grow: free blocks only
-    # shrink, and a prefix hit only shrinks as its blocks are evicted (each lost block adds one
-    # to the need and at most one to what is free).
-    admission_stays_blocked = True
+    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
+        """Whether an admission refused for memory stays refused while the running sequences
+        only decode. Free blocks only shrink; a prefix hit only shrinks, as decode blocks evict
+        its cached blocks. When the whole sequence must fit, each block lost from the hit adds
+        one to the need and at most one to what is usable. Otherwise a chunk capped by the budget
+        needs no more, so only LRU is safe: it evicts a hit from its deepest block up (a parent
+        is freed after its children), one block lost from the hit per block taken."""
+        return not self.enable_caching or full_sequence_reserved or self.pool.eviction == "lru"
 
     def decode_steps_that_fit(self, seqs, limit: int) -> int:
         """The largest k <= limit such that decode steps 2..k of seqs (one token each, step 1
@@ -238,12 +242,12 @@ class BlockAllocator:
             state.append((record.num_tokens, len(record.table) * size))
         return last_step_that_fits(state, self.pool.num_free, size, limit)
 
-    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
+    def decode_rounds(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
         """As num_steps rounds of usage() then allocate(seq, 1) for each seq (the usages as rows
         of KVUsage.as_tuple()), with the same state after: blocks are taken and full blocks keyed in the same order (step by step,
         sequence by sequence), and the slack totals are recomputed from the sequences' ends."""
         if self.num_forked:  # tails shared between samples: count them one token at a time
-            return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
+            return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
         size = self.block_size
         records = [self.seqs[seq.seq_id] for seq in seqs]
         allocated = np.array([r.num_tokens for r in records], dtype=np.int64)

@@ -17,8 +17,10 @@ it), plus, while a request waits, every hole too small for it.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from sim.errors import ConfigError
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token, slack_split
+from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token, slack_split
 from sim.kvcache.placement import PLACEMENTS
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
@@ -107,13 +109,14 @@ class ContiguousAllocator:
         self._add_slack(seq_id, after)
         return new
 
-    admission_stays_blocked = True  # nothing is placed or released while sequences only decode
+    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
+        return True  # nothing is placed or released while sequences only decode
 
     def decode_steps_that_fit(self, seqs, limit: int) -> int:
         return limit  # a reservation covers every token up to the final length
 
-    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
-        return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
+    def decode_rounds(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
+        return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
 
     def fork(self, parent, child) -> bool:
         """A contiguous cache cannot share: the child gets its own extent and a copy."""

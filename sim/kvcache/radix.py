@@ -20,10 +20,12 @@ many steps counts once (as the block allocator does).
 """
 from __future__ import annotations
 
+import numpy as np
+
 import heapq
 
 from sim.errors import ConfigError
-from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, advance_decode_token_by_token,
+from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
                               last_step_that_fits, slack_split)
 from sim.kvcache.eviction import EVICTION_POLICIES
 
@@ -125,8 +127,8 @@ class RadixAllocator:
             self._insert(seq, end)
         return (need,) if need else ()
 
-    # Decode pages may evict the blocked head's cached path: not shown to keep it blocked.
-    admission_stays_blocked = False
+    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
+        return False  # decode pages may evict the blocked head's cached path: not shown to hold
 
     def decode_steps_that_fit(self, seqs, limit: int) -> int:
         """Decode tokens take private pages, evicting unlocked cached ones when none are free."""
@@ -136,8 +138,8 @@ class RadixAllocator:
         available = (self.free_slots + self.tree_slots - self.locked_slots) // page
         return last_step_that_fits(state, available, page, limit)
 
-    def advance_decode(self, seqs, num_steps: int, first_waiting=None) -> list[tuple]:
-        return advance_decode_token_by_token(self, seqs, num_steps, first_waiting)
+    def decode_rounds(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
+        return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
 
     def fork(self, parent, child) -> bool:
         """A new sequence sharing parent's cached path; its private pages are copied."""

@@ -18,8 +18,8 @@ forks its other samples once its prompt is computed (they share the prompt's KV)
 Decode stretches: when a plan only decodes every running sequence and nothing can join (no
 waiting request, or a head of queue that stays blocked while the batch only grows), the next
 steps repeat it with one more token each until the first sequence finishes or memory for a next
-token runs out. `decode_stretch` says how many steps that is; `advance_decode` applies all but
-the last of them at once (the last is committed as usual), with the same effects, token by token,
+token runs out. `decode_stretch` says how many steps that is; `advance_decode` commits all but
+the last of them at once (the allocator's `decode_rounds` allocating their tokens) (the last is committed as usual), with the same effects, token by token,
 as committing them one by one.
 """
 from __future__ import annotations
@@ -64,8 +64,10 @@ class Committed(NamedTuple):
     itl: tuple[tuple[float, int], ...]
 
 
-# Why the head of the waiting queue was not admitted by the last plan; these two hold for as
-# long as a batch only decodes (its size and its token count do not change).
+# Why the head of the waiting queue was not admitted by the last plan's _admit (stale after a
+# plan that skipped it: one that preempted or had swapped sequences, never a stretch's start).
+# The first two hold for as long as a batch only decodes (its size and token count are fixed);
+# memory holds only where the allocator says so (admission_stays_blocked).
 BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET, BLOCKED_BY_MEMORY = "max_num_seqs", "budget", "memory"
 
 
@@ -242,7 +244,8 @@ class Scheduler:
             return 1
         blocked = self.admission_blocked_by
         if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
-                blocked == BLOCKED_BY_MEMORY and self.allocator.admission_stays_blocked)):
+                blocked == BLOCKED_BY_MEMORY
+                and self.allocator.admission_stays_blocked(self.spec.reserve_full_isl))):
             return 1
         max_model_len = self.spec.max_model_len
         steps = min(min(seq.request.output_len - seq.num_output, max_model_len - seq.num_tokens)
@@ -259,7 +262,7 @@ class Scheduler:
         breakdown after each step (rows of KVUsage.as_tuple())."""
         running = self.running
         head = self.waiting[0] if num_waiting else None  # a stretch has nothing swapped
-        usage_rows = self.allocator.advance_decode(running, len(step_ends), head)
+        usage_rows = self.allocator.decode_rounds(running, len(step_ends), head)
         first_end, num_steps, last_end = float(step_ends[0]), len(step_ends), float(step_ends[-1])
         gaps: dict[float, int] = {}
         for seq in running:
