@@ -142,7 +142,7 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
     kv["token_states_of_used"] = kv["token_states_frac"] / in_use if in_use > 0 else 0.0
     hit_tokens = int(done.prefix_hit_tokens.sum())
     prompt_tokens = int(done.prompt_tokens.sum())
-    steps = timeline[timeline.batch_size > 0]
+    step_batch_sizes = timeline.batch_size[timeline.batch_size > 0]  # one column, not the table
     in_window = (timeline.time_s > window.start_s) & (timeline.time_s <= window.end_s)
     output_tokens = float(timeline.num_output_tokens[in_window].sum())
     finished_in_window = done[(done.finish_time_s > window.start_s) & (done.finish_time_s <= window.end_s)]
@@ -172,8 +172,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
         "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
                          "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens},
         "scheduler": {"num_preemptions": int(done.num_preemptions.sum()),
-                      "mean_batch_size": float(steps.batch_size.mean()) if len(steps) else 0.0,
-                      "num_steps": int(len(steps)),
+                      "mean_batch_size": float(step_batch_sizes.mean()) if len(step_batch_sizes) else 0.0,
+                      "num_steps": int(len(step_batch_sizes)),
                       "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
         "latency_profile": {"gpu": gpu, "source": profile_source},
         **({} if max_model_len is None else {"max_model_len": max_model_len}),

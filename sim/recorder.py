@@ -51,9 +51,12 @@ class Pieces:
             self.blocks.append(np.concatenate(self._pending))
             self._pending = []
 
-    def joined(self, empty: np.ndarray) -> np.ndarray:
-        parts = self.blocks + self._pending
-        return np.concatenate(parts) if parts else empty
+    def take_all(self, empty: np.ndarray) -> np.ndarray:
+        """Everything appended, as one array; the pieces are let go (memory is the point)."""
+        parts, self.blocks, self._pending = self.blocks + self._pending, [], []
+        joined = np.concatenate(parts) if parts else empty
+        del parts
+        return joined
 
 
 class Recorder:
@@ -126,15 +129,18 @@ class Recorder:
 
     def itl_samples(self) -> np.ndarray:
         """(time_s, gap_s, count) rows, replica by replica, each replica's in time order (the
-        gaps of one step in the order its commit counted them)."""
+        gaps of one step in the order its commit counted them). Once, at the end of a run."""
         self._pack_itl()
-        floats = self._itl_floats.joined(np.empty((0, 2)))
-        ints = self._itl_ints.joined(np.empty((0, 2), dtype=np.int32))
+        floats = self._itl_floats.take_all(np.empty((0, 2)))
+        ints = self._itl_ints.take_all(np.empty((0, 2), dtype=np.int32))
         order = np.lexsort((floats[:, 0], ints[:, 0]))  # stable: a step's gaps stay together
         return np.column_stack((floats[order], ints[order, 1]))
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """The request and timeline tables, once, at the end of a run: the records are handed
+        over (a million-request run would otherwise hold them twice)."""
         requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
+        self.requests = []
         requests = requests.sort_values("request_id", kind="stable").reset_index(drop=True)
         requests["ttft_s"] = requests.first_token_time_s - requests.arrival_time_s
         requests["e2e_s"] = requests.finish_time_s - requests.arrival_time_s
@@ -142,11 +148,13 @@ class Recorder:
         requests["tpot_s"] = np.where(
             multi, (requests.e2e_s - requests.ttft_s) / (requests.output_tokens - 1).clip(lower=1), np.nan)
         self._pack()
-        times = self._times.joined(np.empty(0))
-        ints = self._ints.joined(np.empty((0, len(INT_COLUMNS)), dtype=np.int64))
+        times = self._times.take_all(np.empty(0))
+        ints = self._ints.take_all(np.empty((0, len(INT_COLUMNS)), dtype=np.int64))
         order = np.lexsort((ints[:, 0], times))  # by time, then replica
         columns = {"time_s": times[order]}
+        del times
         for i, name in enumerate(INT_COLUMNS):
             columns[name] = ints[order, i].astype(np.int64)
-        timeline = pd.DataFrame({name: columns[name] for name in TIMELINE_COLUMNS})
+        del ints, order
+        timeline = pd.DataFrame({name: columns[name] for name in TIMELINE_COLUMNS}, copy=False)
         return requests, timeline
