@@ -244,8 +244,9 @@ class BlockAllocator:
 
     def decode_rounds(self, seqs, num_steps: int, first_waiting=None) -> np.ndarray:
         """As num_steps rounds of usage() then allocate(seq, 1) for each seq (the usages as rows
-        of KVUsage.as_tuple()), with the same state after: blocks are taken and full blocks keyed in the same order (step by step,
-        sequence by sequence), and the slack totals are recomputed from the sequences' ends."""
+        of KVUsage.as_tuple()), with the same state after: blocks are taken and full blocks
+        keyed in the same order (step by step, sequence by sequence), and the slack totals are
+        recomputed from the sequences' ends."""
         if self.num_forked:  # tails shared between samples: count them one token at a time
             return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
         size = self.block_size

@@ -75,7 +75,8 @@ class BlockPool:
             taken = self._take_in_free_order(count)
         else:
             taken = self._take_by_key(count)
-        block_key, cached, hits, ref_count, evicted = self.block_key, self.cached, self.hits, self.ref_count, 0
+        block_key, cached, hits, ref_count = self.block_key, self.cached, self.hits, self.ref_count
+        evicted = 0
         for block in taken:
             key = block_key[block]
             if key is not None:
@@ -166,7 +167,8 @@ class BlockPool:
             pushes += 1
             entry[block] = pushes
             last_access[block] = clock
-            stats = BlockStats(self.block_key[block] is not None, clock, self.hits[block], self.created[block])
+            stats = BlockStats(self.block_key[block] is not None, clock, self.hits[block],
+                               self.created[block])
             heapq.heappush(queue, (*order(stats), pushes, block))
         self._pushes = pushes
 

@@ -19,8 +19,8 @@ Decode stretches: when a plan only decodes every running sequence and nothing ca
 waiting request, or a head of queue that stays blocked while the batch only grows), the next
 steps repeat it with one more token each until the first sequence finishes or memory for a next
 token runs out. `decode_stretch` says how many steps that is; `advance_decode` commits all but
-the last of them at once (the allocator's `decode_rounds` allocating their tokens) (the last is committed as usual), with the same effects, token by token,
-as committing them one by one.
+the last of them at once (the allocator's `decode_rounds` allocating their tokens; the last is
+committed as usual), with the same effects, token by token, as committing them one by one.
 """
 from __future__ import annotations
 

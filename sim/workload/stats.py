@@ -70,7 +70,7 @@ def scenario_stats(workload: Workload, block_size: int, name: str) -> dict:
             timed.append((arrival, request.request_id, request))
     timed.sort(key=lambda item: item[:2])
     requests = [r for _, _, r in timed]
-    blocks = [list(r.prefix_keys(block_size, 0, r.prompt_len // block_size)) for r in requests]
+    blocks = [r.prefix_keys(block_size, 0, r.prompt_len // block_size) for r in requests]
     inputs = [r.prompt_len for r in requests]
     hits = _ideal_hits(blocks, inputs, block_size)
     stats = _summary([t for t, _, _ in timed], inputs, [r.output_len for r in requests], hits,
