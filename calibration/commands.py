@@ -76,11 +76,14 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
         if not written and created is not None and created.is_dir() and not any(created.rglob("*.*")):
             shutil.rmtree(created, ignore_errors=True)  # folders this call made, still empty
     for op, numbers in report.items():
-        held = numbers.get("held_out_classes", {})
-        extra = numbers.get("extrapolation", {})
-        print(f"{op}: e_c={numbers['fit']['compute_efficiency']:.3f} e_m={numbers['fit']['memory_efficiency']:.3f} "
-              f"t0={numbers['fit']['t0_s'] * 1e6:.1f}us  held-out MAPE {held.get('mape', float('nan')):.1%}  "
-              f"extrapolation MAPE {extra.get('mape', float('nan')):.1%}")
+        fit = numbers["fit"]
+        errors = "  ".join(f"{label} MAPE {numbers[key]['mape']:.1%}" for key, label in
+                           (("held_out_classes", "held-out classes"), ("extrapolation", "extrapolation"))
+                           if key in numbers)
+        print(f"{op}: e_c={fit['compute_efficiency']:.3f} e_m={fit['memory_efficiency']:.3f} t0={fit['t0_s'] * 1e6:.1f}us"
+              + (f" per_seq={fit['per_seq_s'] * 1e6:.2f}us" if fit.get("per_seq_s") else "")
+              + (f" e_causal={fit['causal_efficiency']:.3f}" if fit.get("causal_efficiency") else "")
+              + f"  {errors or 'no held-out split (one shape class, one size range)'}")
     print(f"wrote {folder / 'profile.json'} and {folder / 'fit_report.md'} "
           f"(GPU {profile['gpu_name']}, datasheet base {base['name']})")
     return folder
@@ -97,9 +100,11 @@ def import_vidur_task(cfg: DictConfig) -> None:
     """Vidur's public operator profiles -> raw.csv -> fitted profile (source: imported)."""
     from calibration.vidur import import_directory
 
-    rows = import_directory(Path(cfg.path))
+    folders = [cfg.path] if isinstance(cfg.path, str) else list(cfg.path)
+    rows = [row for folder in folders for row in import_directory(Path(str(folder)))]
     _fit_and_write(pd.DataFrame(rows), cfg, "imported", raw_rows=rows,
-                   origin="Vidur (microsoft/vidur, MIT; Agrawal et al., MLSys 2024) data/profiling/compute")
+                   origin="Vidur (microsoft/vidur, MIT; Agrawal et al., MLSys 2024): "
+                          + ", ".join(Path(str(f)).name for f in folders))
 
 
 def predict_task(cfg: DictConfig) -> None:
@@ -111,17 +116,23 @@ def predict_task(cfg: DictConfig) -> None:
     shapes = pd.read_csv(shapes_path)
     if "op" not in shapes:
         raise RawError(f"missing column op, {shapes_path}:1, give a CSV with column op and its shape columns")
-    unknown = sorted(set(shapes.op) - set(OPS))
+    unknown = sorted(set(shapes.op.astype(str)) - set(OPS))
     if unknown:
         raise RawError(f"unknown op(s) {', '.join(unknown)}, {shapes_path} column op, use {', '.join(OPS)}")
     out = np.empty(len(shapes))
     for op, index in shapes.groupby("op").indices.items():
+        needed = OPS[op].columns
+        missing = [c for c in needed if c not in shapes or shapes[c].iloc[index].isna().any()]
+        if missing:
+            raise RawError(f"op={op} rows need column(s) {', '.join(missing)}, {shapes_path}, "
+                           f"give {op} rows {', '.join(needed)}")
         rows = shapes.iloc[index].assign(time_s=1.0)
         try:
             prepared = prepare(rows, op, profile)
         except (KeyError, ValueError) as exc:
-            raise RawError(f"{op} rows need their shape columns ({exc}), {shapes_path}, "
-                           f"e.g. gemm: m,n,k,dtype") from None
+            raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
+                           f"give {op} rows numbers for {', '.join(c for c in needed if c != 'dtype')}"
+                           + (" and a dtype of fp16, bf16, fp8 or fp32" if "dtype" in needed else "")) from None
         out[index] = predict(prepared, profile, op, operator_params(profile, op))
     result = shapes.assign(time_s=out)
     tmp = Path(str(cfg.out) + ".tmp")

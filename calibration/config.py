@@ -30,7 +30,7 @@ class CalibrationFitConfig:
 
 @dataclass
 class CalibrationImportConfig:
-    path: str = MISSING
+    path: Any = MISSING            # a folder of Vidur CSVs, or a list of folders
     name: str = MISSING
     base: Optional[str] = None
     out_dir: str = "results/calibration"

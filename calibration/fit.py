@@ -13,14 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from calibration.ops import OPS, shape_class
+from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
 
 EFFICIENCIES = np.geomspace(0.03, 1.0, 40)
 T0_GRID_S = np.array([0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]) * 1e-6
+PER_SEQ_GRID_S = np.array([0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3]) * 1e-6
 TABLE_POINTS = 32
 NUM_FOLDS = 5
-EXTRAPOLATION = (1024, 2048)
+UNIDENTIFIED_LOSS = 1e-3  # an efficiency the data cannot tell from the prior's within this mean |log error|
+ATTENTION_OPS = ("attention_decode", "attention_prefill")
+ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "t0_s", "per_seq_s", "causal_efficiency")
 
 
 def _peak(profile: dict, op: str, dtype: str) -> float:
@@ -30,54 +33,105 @@ def _peak(profile: dict, op: str, dtype: str) -> float:
 
 
 def _bandwidth(profile: dict, op: str) -> float:
-    return float(profile["host_link_bytes_per_s" if OPS[op].bandwidth == "host" else "hbm_bandwidth_bytes_per_s"])
+    kind = OPS[op].bandwidth
+    if kind == "link":  # one direction of the GPU's link
+        return float(profile["link_bandwidth_bytes_per_s"]) / 2
+    return float(profile["host_link_bytes_per_s" if kind == "host" else "hbm_bandwidth_bytes_per_s"])
+
+
+def to_catalogue(frame: pd.DataFrame) -> pd.DataFrame:
+    """Benchmark rows of attention kernels as the catalogue's operators (sim.latency.operators),
+    so that the fitted parameters, correction axes and classes are the ones the simulator and
+    predict use; the kernel stays in column `kernel`."""
+    parts = [frame[~frame.op.isin(list(AS_CATALOGUE))]]
+    for kernel, (op, columns) in AS_CATALOGUE.items():
+        rows = frame[frame.op == kernel]
+        if rows.empty:
+            continue
+        renamed = rows.drop(columns=[c for c in columns if c in rows and columns[c] != c])
+        renamed = renamed.assign(**{c: rows[raw].to_numpy() for c, raw in columns.items()}, op=op, kernel=kernel)
+        parts.append(renamed)
+    return pd.concat(parts, ignore_index=True, sort=False)
 
 
 def prepare(frame: pd.DataFrame, op: str, profile: dict) -> pd.DataFrame:
-    """Rows of one op with size, class, FLOPs, bytes and the datasheet-unit times."""
+    """Rows of one op with size, class, work and the datasheet-unit times: tc and tk (FLOPs and
+    causal FLOPs over the peak), tm (bytes over the bandwidth), seqs (sequences)."""
     model = OPS[op]
     rows = frame[frame.op == op].copy()
     records = rows.to_dict("records")
-    rows["size"] = [float(r[model.size_column]) for r in records]
-    rows["klass"] = [shape_class(op, r) for r in records]
-    work = [model.work(r, float(r[model.size_column])) for r in records]
-    peaks = np.array([_peak(profile, op, r["dtype"]) for r in records])
+    rows["size"] = [model.size(r) for r in records]
+    rows["klass"] = [model.shape_class(r) for r in records]
+    rows["split_axis"] = [model.extrapolation(r) for r in records]
+    work = [tuple(model.work(r, model.size(r))) + (0.0, 0.0) for r in records]
+    peaks = np.array([_peak(profile, op, r["dtype"]) if "dtype" in r else 1.0 for r in records])
     rows["tc"] = np.array([w[0] for w in work]) / peaks
     rows["tm"] = np.array([w[1] for w in work]) / _bandwidth(profile, op)
+    rows["seqs"] = np.array([w[2] for w in work], dtype=float)
+    rows["tk"] = np.array([w[3] for w in work]) / peaks
     rows["t"] = rows.time_s.astype(float)
     return rows.reset_index(drop=True)
 
 
-def fit_roofline(tc: np.ndarray, tm: np.ndarray, t: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
-    """(e_c, e_m, t0) minimising mean |log(predicted / measured)|, by grid then local search."""
+def fit_roofline(tc: np.ndarray, tm: np.ndarray, t: np.ndarray, seed: int = 0, n: np.ndarray | None = None,
+                 tk: np.ndarray | None = None, prior_compute_efficiency: float = 0.5,
+                 prior_memory_efficiency: float = 0.8) -> dict:
+    """t0 + per_seq n + max(tc / e_c + tk / e_causal, tm / e_m) minimising mean
+    |log(predicted / measured)|, by grid then local search: per_seq only where the rows' sequence
+    counts differ, e_causal only where they have causal FLOPs. An efficiency whose term never binds
+    (e_c in memory-bound decode, e_m in compute-bound prefill) is not identified: the prior's (the
+    datasheet profile's) is kept."""
+    n = np.zeros_like(t) if n is None else n
+    tk = np.zeros_like(t) if tk is None else tk
     if len(t) > 4000:
         pick = np.random.default_rng(seed).choice(len(t), 4000, replace=False)
-        tc, tm, t = tc[pick], tm[pick], t[pick]
+        tc, tm, t, n, tk = tc[pick], tm[pick], t[pick], n[pick], tk[pick]
     log_t = np.log(t)
+    per_seq_grid = PER_SEQ_GRID_S if np.ptp(n) > 0 else np.zeros(1)
+    causal_grid = EFFICIENCIES if tk.any() else np.ones(1)
 
-    def loss(ec, em, t0):
-        return np.abs(np.log(t0 + np.maximum(tc / ec, tm / em)) - log_t).mean()
+    def loss(p):
+        causal = tk / p["causal_efficiency"] if p["causal_efficiency"] else 0.0
+        return np.abs(np.log(p["t0_s"] + p["per_seq_s"] * n + np.maximum(
+            tc / p["compute_efficiency"] + causal, tm / p["memory_efficiency"])) - log_t).mean()
 
-    best = (np.inf, 1.0, 1.0, 0.0)
-    em_grid = EFFICIENCIES[:, None]
+    best, memory = (np.inf,), tm[None, None, :] / EFFICIENCIES[None, :, None]
     for t0 in T0_GRID_S:
-        for ec in EFFICIENCIES:
-            losses = np.abs(np.log(t0 + np.maximum(tc / ec, tm / em_grid)) - log_t).mean(axis=1)
-            j = int(np.argmin(losses))
-            if losses[j] < best[0]:
-                best = (float(losses[j]), float(ec), float(EFFICIENCIES[j]), float(t0))
-    _, ec, em, t0 = best
+        for per_seq in per_seq_grid:
+            base = t0 + per_seq * n
+            for ec in EFFICIENCIES:
+                compute = (tc / ec)[None, None, :] + tk[None, None, :] / causal_grid[:, None, None]
+                losses = np.abs(np.log(base + np.maximum(compute, memory)) - log_t).mean(axis=2)
+                i, j = np.unravel_index(int(np.argmin(losses)), losses.shape)
+                if losses[i, j] < best[0]:
+                    best = (float(losses[i, j]), float(t0), float(per_seq), float(ec), float(causal_grid[i]),
+                            float(EFFICIENCIES[j]))
+    _, t0, per_seq, ec, ek, em = best
+    fitted = {"compute_efficiency": ec, "memory_efficiency": em, "t0_s": t0, "per_seq_s": per_seq,
+              "causal_efficiency": ek if tk.any() else None}
     for step in (1.08, 1.03, 1.01):  # local refinement, efficiencies capped at 1
         for _ in range(20):
-            candidates = [(ec * a, em * b, max(0.0, t0 * c + d))
-                          for a in (1 / step, 1, step) for b in (1 / step, 1, step)
-                          for c, d in ((1, 0), (step, 0), (1 / step, 0), (1, 2e-7), (1, -2e-7))]
-            candidates = [(min(a, 1.0), min(b, 1.0), c) for a, b, c in candidates]
-            scored = min(candidates, key=lambda p: loss(*p))
-            if loss(*scored) >= loss(ec, em, t0) - 1e-12:
+            candidates = []
+            for a in (1 / step, 1, step):
+                for b in (1 / step, 1, step):
+                    for c, d in ((1, 0), (step, 0), (1 / step, 0), (1, 2e-7), (1, -2e-7)):
+                        for e in ((1 / step, 1, step) if tk.any() else (1,)):
+                            candidates.append({
+                                **fitted, "compute_efficiency": min(fitted["compute_efficiency"] * a, 1.0),
+                                "memory_efficiency": min(fitted["memory_efficiency"] * b, 1.0),
+                                "t0_s": max(0.0, fitted["t0_s"] * c + d),
+                                "causal_efficiency": fitted["causal_efficiency"] and min(
+                                    fitted["causal_efficiency"] * e, 1.0)})
+            scored = min(candidates, key=loss)
+            if loss(scored) >= loss(fitted) - 1e-12:
                 break
-            ec, em, t0 = scored
-    return ec, em, t0
+            fitted = scored
+    for key, value in (("compute_efficiency", prior_compute_efficiency),
+                       ("memory_efficiency", prior_memory_efficiency)):
+        prior = {**fitted, key: value}
+        if loss(prior) <= loss(fitted) + UNIDENTIFIED_LOSS:
+            fitted = prior
+    return fitted
 
 
 def fit_table(rows: pd.DataFrame, fitted: np.ndarray) -> CorrectionTable:
@@ -95,25 +149,40 @@ def fit_table(rows: pd.DataFrame, fitted: np.ndarray) -> CorrectionTable:
                            {k: tuple(float(v) for v in values) for k, values in classes.items()})
 
 
+def roofline_params(params: dict) -> dict:
+    return {k: params[k] for k in ROOFLINE_KEYS if k in params}
+
+
 def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
-    ec, em, t0 = fit_roofline(rows.tc.to_numpy(), rows.tm.to_numpy(), rows.t.to_numpy())
-    fitted = t0 + np.maximum(rows.tc.to_numpy() / ec, rows.tm.to_numpy() / em)
-    table = fit_table(rows, fitted)
-    return {"compute_efficiency": ec, "memory_efficiency": em, "t0_s": t0,
-            "correction": table.to_json()}
+    params = fit_roofline(rows.tc.to_numpy(), rows.tm.to_numpy(), rows.t.to_numpy(), n=rows.seqs.to_numpy(),
+                          tk=rows.tk.to_numpy(),
+                          prior_compute_efficiency=operator_params(profile, op)["compute_efficiency"],
+                          prior_memory_efficiency=operator_params(profile, op)["memory_efficiency"])
+    if op in ATTENTION_OPS:  # the physical form extrapolates; a table would hold its edges
+        return params
+    fitted = params["t0_s"] + params["per_seq_s"] * rows.seqs.to_numpy() + np.maximum(
+        rows.tc.to_numpy() / params["compute_efficiency"]
+        + rows.tk.to_numpy() / (params["causal_efficiency"] or params["compute_efficiency"]),
+        rows.tm.to_numpy() / params["memory_efficiency"])
+    return {**params, "correction": fit_table(rows, fitted).to_json()}
+
+
+def calibrated_op(profile: dict, op: str, params: dict, dtype: str | None) -> CalibratedOp:
+    peak = _peak(profile, op, dtype) if OPS[op].peak == "compute" else 1.0
+    roof = Roofline(peak, _bandwidth(profile, op), params["compute_efficiency"], params["memory_efficiency"],
+                    params["t0_s"], params.get("per_seq_s", 0.0), params.get("causal_efficiency"))
+    return CalibratedOp(roof, CorrectionTable.from_json(params.get("correction")), monotone=op not in ATTENTION_OPS)
 
 
 def predict(rows: pd.DataFrame, profile: dict, op: str, params: dict) -> np.ndarray:
     model = OPS[op]
-    table = CorrectionTable.from_json(params.get("correction"))
     out = np.empty(len(rows))
-    calibrated: dict[tuple, CalibratedOp] = {}
+    calibrated: dict[str | None, CalibratedOp] = {}
     for i, record in enumerate(rows.to_dict("records")):
-        key = (_peak(profile, op, record["dtype"]),)
-        if key not in calibrated:
-            calibrated[key] = CalibratedOp(Roofline(key[0], _bandwidth(profile, op), params["compute_efficiency"],
-                                                    params["memory_efficiency"], params["t0_s"]), table)
-        out[i] = calibrated[key].time(record["klass"], record["size"], lambda s, r=record: model.work(r, s))
+        dtype = record.get("dtype")
+        if dtype not in calibrated:
+            calibrated[dtype] = calibrated_op(profile, op, params, dtype)
+        out[i] = calibrated[dtype].time(record["klass"], record["size"], lambda s, r=record: model.work(r, s))
     return out
 
 
@@ -124,6 +193,8 @@ def errors(predicted: np.ndarray, measured: np.ndarray) -> dict:
 
 
 def evaluate(rows: pd.DataFrame, profile: dict, op: str, datasheet: dict) -> dict:
+    """Errors on held-out shape classes (5 folds) and on the op's extrapolation split, with the
+    datasheet profile's and the bare roofline's errors on the same rows."""
     classes = sorted(rows.klass.unique())
     roofline = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.0}
     held_pred, held_true, sheet_pred, roof_pred = [], [], [], []
@@ -144,8 +215,8 @@ def evaluate(rows: pd.DataFrame, profile: dict, op: str, datasheet: dict) -> dic
         report["held_out_classes"] = errors(np.concatenate(held_pred), truth)
         report["held_out_classes_datasheet"] = errors(np.concatenate(sheet_pred), truth)
         report["held_out_classes_roofline"] = errors(np.concatenate(roof_pred), truth)
-    train = rows[rows["size"] <= EXTRAPOLATION[0]]
-    test = rows[rows["size"] >= EXTRAPOLATION[1]]
+    train_max, test_min = OPS[op].extrapolation_split
+    train, test = rows[rows.split_axis <= train_max], rows[rows.split_axis >= test_min]
     if len(train) and len(test):
         params = fit_op(train, profile, op)
         report["extrapolation"] = errors(predict(test, profile, op, params), test.t.to_numpy())
@@ -164,13 +235,12 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
     profile = {**base, "name": name, "source": source, "origin": origin, "date": date,
                "versions": versions, "operators": {k: dict(v) for k, v in base["operators"].items()}}
     report = {}
+    frame = to_catalogue(frame)
     for op in sorted(set(frame.op) & set(OPS)):
         rows = prepare(frame, op, base)
         params = fit_op(rows, base, op)
-        datasheet = {k: base["operators"].get(operator_key(op), base["operators"]["gemm"])[k]
-                     for k in ("compute_efficiency", "memory_efficiency", "t0_s")}
-        report[op] = {"fit": {k: params[k] for k in ("compute_efficiency", "memory_efficiency", "t0_s")},
-                      **evaluate(rows, base, op, datasheet)}
+        datasheet = operator_params(base, op)
+        report[op] = {"fit": roofline_params(params), **evaluate(rows, base, op, datasheet)}
         key = operator_key(op)
         if key in profile["operators"]:
             profile["operators"][key] = {**params, "source": source, "origin": origin}
@@ -181,12 +251,16 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
 
 
 def operator_key(op: str) -> str:
-    """Raw op names -> the latency model's operators (sim.latency.profile.OPERATORS)."""
-    return {"paged_decode": "attention_decode", "prefill": "attention_prefill"}.get(op, op)
+    """Op names -> the profile's operators (sim.latency.profile.OPERATORS)."""
+    return {"paged_decode": "attention_decode", "prefill": "attention_prefill", "all_reduce": "allreduce"}.get(op, op)
 
 
 def operator_params(profile: dict, op: str) -> dict:
-    """A profile's fitted parameters for a raw op: its latency-model operator, else an extra
-    fitted operator, else (never measured, unknown to the latency model) the GEMM's."""
-    return (profile["operators"].get(operator_key(op)) or profile.get("extra_operators", {}).get(op)
-            or profile["operators"]["gemm"])
+    """A profile's parameters for an op: its profile operator, else an extra fitted operator,
+    else (never measured, unknown to the latency model) the GEMM's; a link's efficiency is its
+    memory (and compute) efficiency."""
+    raw = (profile["operators"].get(operator_key(op)) or profile.get("extra_operators", {}).get(op)
+           or profile["operators"]["gemm"])
+    link = raw.get("link_efficiency", 1.0)
+    return {**raw, "compute_efficiency": raw.get("compute_efficiency", link),
+            "memory_efficiency": raw.get("memory_efficiency", link)}

@@ -1,11 +1,13 @@
-"""Work models of the benchmarked operators: FLOPs, bytes, the size axis and the shape class
-of a raw row (torch-free; used by the fit and by predict)."""
+"""The benchmarked kernels as operators: each raw row's size axis, shape class and work, from
+the operator catalogue's work models (sim.latency.operators; torch-free). Rows of the catalogue's
+own operators (gemm, attention_decode, attention_prefill, all_reduce) come from imported public
+timings and from `predict`; the Triton benchmarks write the kernel names below, whose attention
+rows the fit reads as the catalogue's (to_catalogue)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-from sim.latency.calibrated import DTYPE_BYTES, gemm_class, gemm_work
+from sim.latency.operators import (CATALOGUE, Operator, attention_decode_work, attention_prefill_work,
+                                   kv_bytes_per_token)
+from sim.models import DTYPE_BYTES
 
 MLA_LATENT, MLA_ROPE = 512, 64  # DeepSeek-V3's cached widths (REFERENCE.md section 1)
 
@@ -14,48 +16,57 @@ def _i(row, name) -> int:
     return int(row[name])
 
 
-def _decode_work(row, context):
-    s = DTYPE_BYTES[row["dtype"]]
+def _decode(row, context):
     batch, heads, kv_heads, hd = (_i(row, c) for c in ("batch", "heads", "kv_heads", "head_dim"))
-    return 4.0 * batch * heads * hd * context, 2.0 * batch * context * kv_heads * hd * s
+    return attention_decode_work(batch, batch * context, heads, hd, hd, kv_bytes_per_token(kv_heads, hd, row["dtype"]))
 
 
-def _mla_work(row, context):
-    s = DTYPE_BYTES[row["dtype"]]
+def _mla(row, context):
     batch, heads = _i(row, "batch"), _i(row, "heads")
     width = MLA_LATENT + MLA_ROPE
-    return 2.0 * batch * heads * (width + MLA_LATENT) * context, float(batch * context * width * s)
+    return attention_decode_work(batch, batch * context, heads, width, MLA_LATENT,
+                                 width * DTYPE_BYTES[row["dtype"]])
 
 
-def _prefill_work(row, q):
-    s = DTYPE_BYTES[row["dtype"]]
+def _prefill(row, q):
     batch, heads, kv_heads, hd, c = (_i(row, x) for x in ("batch", "heads", "kv_heads", "head_dim", "context"))
-    flops = 4.0 * batch * heads * hd * q * (c + (q + 1) / 2)
-    return flops, batch * ((c + q) * 2 * kv_heads * hd + 2 * q * heads * hd) * s
+    return attention_prefill_work(batch, batch * q * c, batch * q * (q + 1) / 2, batch * (c + q), batch * q,
+                                  heads, hd, hd, kv_bytes_per_token(kv_heads, hd, row["dtype"]))
 
 
-@dataclass(frozen=True, slots=True)
-class OpModel:
-    size_column: str
-    class_columns: tuple[str, ...]
-    work: Callable  # (row, size) -> (FLOPs, bytes)
-    bandwidth: str = "hbm"  # or "host"
+def _copy(row, nbytes):
+    return 0.0, float(nbytes)
 
 
-OPS = {
-    "gemm": OpModel("m", ("n", "k", "dtype"), lambda r, m: gemm_work(m, float(r["n"]), float(r["k"]), r["dtype"])),
-    "paged_decode": OpModel("context", ("batch", "heads", "kv_heads", "head_dim", "block_size", "num_splits", "dtype"),
-                            _decode_work),
-    "contiguous_decode": OpModel("context", ("batch", "heads", "kv_heads", "head_dim", "dtype"), _decode_work),
-    "mla_decode": OpModel("context", ("batch", "heads", "block_size", "dtype"), _mla_work),
-    "prefill": OpModel("num_tokens", ("batch", "heads", "kv_heads", "head_dim", "context", "dtype"), _prefill_work),
-    "kv_copy": OpModel("bytes", ("dtype",), lambda r, b: (0.0, float(b))),
-    "stream": OpModel("bytes", ("kind",), lambda r, b: (0.0, float(b))),
-    "host_copy": OpModel("bytes", ("pinned",), lambda r, b: (0.0, float(b)), bandwidth="host"),
+def _kernel(size_column: str, class_columns: tuple[str, ...], work, bandwidth: str = "hbm") -> Operator:
+    return Operator(
+        (size_column, *class_columns), lambda r: float(r[size_column]),
+        lambda r: ",".join(f"{c}={r[c]}" for c in class_columns), work,
+        lambda r: float(r[size_column]), (1024, 2048), size_column, peak="compute" if work is not _copy else "none",
+        bandwidth=bandwidth)
+
+
+KERNELS = {
+    "paged_decode": _kernel("context", ("batch", "heads", "kv_heads", "head_dim", "block_size", "num_splits",
+                                        "dtype"), _decode),
+    "contiguous_decode": _kernel("context", ("batch", "heads", "kv_heads", "head_dim", "dtype"), _decode),
+    "mla_decode": _kernel("context", ("batch", "heads", "block_size", "dtype"), _mla),
+    "prefill": _kernel("num_tokens", ("batch", "heads", "kv_heads", "head_dim", "context", "dtype"), _prefill),
+    "kv_copy": _kernel("bytes", ("dtype",), _copy),
+    "stream": _kernel("bytes", ("kind",), _copy),
+    "host_copy": _kernel("bytes", ("pinned",), _copy, bandwidth="host"),
+}
+OPS: dict[str, Operator] = {**CATALOGUE, **KERNELS}
+
+# Kernel rows the fit reads as catalogue operators: (catalogue op, catalogue column <- raw column)
+AS_CATALOGUE = {
+    "paged_decode": ("attention_decode", {"batch_size": "batch", "context_len": "context", "num_q_heads": "heads",
+                                          "num_kv_heads": "kv_heads", "head_dim": "head_dim", "dtype": "dtype"}),
+    "prefill": ("attention_prefill", {"batch_size": "batch", "chunk_len": "num_tokens", "context_len": "context",
+                                      "num_q_heads": "heads", "num_kv_heads": "kv_heads", "head_dim": "head_dim",
+                                      "dtype": "dtype"}),
 }
 
 
 def shape_class(op: str, row) -> str:
-    if op == "gemm":
-        return gemm_class(float(row["n"]), float(row["k"]), row["dtype"])
-    return ",".join(f"{c}={row[c]}" for c in OPS[op].class_columns)
+    return OPS[op].shape_class(row)

@@ -6,11 +6,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from calibration.fit import operator_params, predict, prepare
+from calibration.fit import operator_params, predict, prepare, to_catalogue
+from calibration.ops import OPS
 from sim.report import _pyplot, _save
 
-SPLITS = (("held_out_classes", "held-out shape classes (5 folds of whole classes)"),
-          ("extrapolation", "extrapolation (fit on sizes <= 1024, test >= 2048)"))
+def splits(op: str) -> tuple[tuple[str, str], ...]:
+    low, high = OPS[op].extrapolation_split
+    axis = OPS[op].extrapolation_axis
+    return (("held_out_classes", "held-out shape classes (5 folds of whole classes)"),
+            ("extrapolation", f"extrapolation (fit on {axis} <= {low:g}, test {axis} >= {high:g})"))
 
 
 def _row(label: str, e: dict) -> str:
@@ -21,15 +25,20 @@ def markdown(profile: dict, report: dict) -> str:
     lines = [f"# Fit report: {profile['name']} ({profile['gpu_name']})", "",
              f"Source: {profile['source']} ({profile.get('origin', '')}); date {profile.get('date', '')}; "
              f"versions {profile.get('versions', {})}.", "",
-             "Model per operator: t = t0 + max(FLOPs / (peak e_c), bytes / (bandwidth e_m)), times a "
-             "correction table over log2(size) per shape class (monotone, never below the datasheet roofline).", ""]
+             "Model per operator (sim.latency.operators): t = t0 + per_seq sequences + max(FLOPs / (peak e_c) "
+             "+ causal FLOPs / (peak e_causal), bytes / (bandwidth e_m)); GEMMs and kernels times a correction "
+             "table over log2(size) per shape class (monotone, never below the datasheet roofline); attention "
+             "without one (its physical form extrapolates, a table would hold its edges). An e_c the data "
+             "cannot tell from the datasheet prior's (memory-bound decode) keeps the prior.", ""]
     for op, numbers in report.items():
         fit = numbers["fit"]
+        extra = (f", per_seq = {fit['per_seq_s'] * 1e6:.2f} us" if fit.get("per_seq_s") else "") + (
+            f", e_causal = {fit['causal_efficiency']:.3f}" if fit.get("causal_efficiency") else "")
         lines += [f"## {op}", "",
                   f"Fitted: e_c = {fit['compute_efficiency']:.3f}, e_m = {fit['memory_efficiency']:.3f}, "
-                  f"t0 = {fit['t0_s'] * 1e6:.1f} us.", "",
+                  f"t0 = {fit['t0_s'] * 1e6:.1f} us{extra}.", "",
                   "| split | rows | MAPE | P90 abs. error | signed bias |", "|---|---:|---:|---:|---:|"]
-        for key, label in SPLITS:
+        for key, label in splits(op):
             if key in numbers:
                 lines.append(_row(f"calibrated, {label}", numbers[key]))
                 lines.append(_row(f"datasheet profile alone, {label}", numbers[f"{key}_datasheet"]))
@@ -37,7 +46,7 @@ def markdown(profile: dict, report: dict) -> str:
         for key in ("noise_rel_std_median", "noise_rel_iqr_median"):
             if key in numbers:
                 lines += ["", f"Repeat-to-repeat noise of the measurements ({key}): {numbers[key]:.1%}."]
-        for key, label in SPLITS:
+        for key, label in splits(op):
             if key in numbers:
                 ours, sheet, roof = (numbers[k]["mape"] for k in (key, f"{key}_datasheet", f"{key}_roofline"))
                 lines.append(f"{label.split(' (')[0].capitalize()}: calibrated MAPE {ours:.1%} against "
@@ -52,7 +61,7 @@ def write_report(frame: pd.DataFrame, profile: dict, base: dict, report: dict, f
     tmp.write_text(markdown(profile, report))
     tmp.replace(folder / "fit_report.md")
     plt = _pyplot()
-    ops = list(report)
+    ops, frame = list(report), to_catalogue(frame)
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
         rows = prepare(frame, op, base)

@@ -1,11 +1,17 @@
 """Vidur's public A100 operator profiles (microsoft/vidur, MIT; Agrawal et al., MLSys 2024) in
-our raw format. Their files hold GEMM and elementwise timings only: the four GEMMs per layer
-become `gemm` rows, shapes per ../shared/calibration_data/SOURCE.md:
+our raw format. Their compute files (`<gpu>__<model>.csv`, mlp.csv) hold GEMM and elementwise
+timings: the four GEMMs per layer become `gemm` rows, shapes per
+../shared/calibration_data/SOURCE.md:
 
     attn_pre_proj   K = n_embd,              N = (n_head + 2 n_kv_head) hd / TP
     attn_post_proj  K = n_head hd / TP,      N = n_embd
     mlp_up_proj     K = n_embd,              N = (2 if gated else 1) n_expanded_embd / TP
     mlp_down_proj   K = n_expanded_embd / TP, N = n_embd
+
+Their `attention.csv` (FlashAttention per layer and GPU, Kineto) becomes `attention_decode` rows
+(batch_size sequences of kv_cache_size cached tokens) and `attention_prefill` rows (a chunk of
+prefill_chunk_size tokens after kv_cache_size cached ones), heads per GPU = heads / TP. Other
+files of a folder (collectives, CPU overheads) are listed as not imported.
 """
 from __future__ import annotations
 
@@ -76,14 +82,58 @@ def import_file(path: Path) -> list[dict]:
     return rows
 
 
+ATTENTION_NEEDED = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "batch_size",
+                    "prefill_chunk_size", "kv_cache_size", "is_prefill", "time_stats.attn_decode.median",
+                    "time_stats.attn_prefill.median")
+
+
+def import_attention(path: Path, gpu: str) -> list[dict]:
+    """Vidur's attention.csv -> attention_decode and attention_prefill rows (seconds)."""
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise RawError(f"unreadable Vidur CSV ({str(exc).splitlines()[0]}), {path}, "
+                       f"give Vidur's data/profiling/<gpu>/attention.csv") from None
+    missing = [c for c in ATTENTION_NEEDED if c not in frame.columns]
+    if missing:
+        raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, "
+                       f"give Vidur's data/profiling/<gpu>/attention.csv")
+    rows = []
+    for line, row in enumerate(frame.to_dict("records"), start=2):
+        tp = int(row["num_tensor_parallel_workers"])
+        prefill = str(row["is_prefill"]).strip().lower() == "true"
+        median = row["time_stats.attn_prefill.median" if prefill else "time_stats.attn_decode.median"]
+        if median != median:  # NaN
+            raise RawError(f"row without its {'prefill' if prefill else 'decode'} time, {path}:{line}, "
+                           f"give Vidur's whole attention.csv")
+        shape = {"num_q_heads": int(row["n_q_head"]) // tp, "num_kv_heads": int(row["n_kv_head"]) // tp,
+                 "head_dim": int(row["n_embd"]) // int(row["n_q_head"]), "dtype": "fp16",
+                 "context_len": int(row["kv_cache_size"])}
+        if prefill:
+            shape.update(op="attention_prefill", chunk_len=int(row["prefill_chunk_size"]),
+                         batch_size=int(row["batch_size"]))
+        else:
+            shape.update(op="attention_decode", batch_size=int(row["batch_size"]))
+        rows.append({**shape, "tp": tp, "time_s": float(median) / 1e3, "source": "vidur:attention", "gpu": gpu})
+    return rows
+
+
 def import_directory(folder: Path) -> list[dict]:
+    """Every Vidur file of a folder this importer knows; the others are named as skipped."""
     if not folder.is_dir():
         raise RawError(f"no such directory '{folder}', key path, give the folder of Vidur CSVs "
                        f"(e.g. ../shared/calibration_data/vidur_a100)")
     files = sorted(folder.glob("*.csv"))
     if not files:
         raise RawError(f"no CSV files in '{folder}', key path, give the folder of Vidur CSVs")
-    rows = []
+    rows, skipped = [], []
     for path in files:
-        rows.extend(import_file(path))
+        if path.name == "attention.csv":
+            rows.extend(import_attention(path, folder.name.split("_")[1] if "_" in folder.name else "unknown"))
+        elif path.name in ("all_reduce.csv", "send_recv.csv", "cpu_overheads.csv"):
+            skipped.append(path.name)
+        else:
+            rows.extend(import_file(path))
+    if skipped:
+        print(f"not imported from {folder}: {', '.join(skipped)} (no operator of the fit reads them)")
     return rows

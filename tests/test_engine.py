@@ -97,7 +97,7 @@ def test_ttft_and_e2e_are_the_step_times_of_a_hand_scheduled_request(tmp_path):
     step = setup.latency.step_time
 
     def prefill(tokens):
-        return step(BatchShape(num_prefill_tokens=tokens, prefill_attention_pairs=tokens * (tokens + 1) / 2,
+        return step(BatchShape(num_prefill_tokens=tokens, num_prefill_seqs=1, prefill_causal_pairs=tokens * (tokens + 1) // 2,
                                prefill_kv_tokens=tokens, num_sampled=1))
 
     def decode(context):

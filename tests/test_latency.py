@@ -60,7 +60,7 @@ def test_prefill_is_compute_bound_and_grows_with_tokens():
     model = LatencyModel(load_model("llama3_70b"), load_profile("h100"), 4, "bf16")
     times = []
     for q in (512, 1024, 2048, 4096, 8192):
-        times.append(model.step_time(BatchShape(num_prefill_tokens=q, prefill_attention_pairs=q * (q + 1) / 2,
+        times.append(model.step_time(BatchShape(num_prefill_tokens=q, num_prefill_seqs=1, prefill_causal_pairs=q * (q + 1) // 2,
                                                 prefill_kv_tokens=q, num_sampled=1)))
     assert all(a < b for a, b in zip(times, times[1:]))
     # Large prefill is compute-bound: 8x the tokens takes more than 4x the time.
@@ -90,7 +90,7 @@ def test_step_time_is_monotone_in_batch_context_and_tokens(gpu, tp, seqs, contex
     model = LatencyModel(load_model("llama3_70b"), load_profile(gpu), tp, "bf16")
 
     def shape(seqs, context, prefill):
-        return BatchShape(num_prefill_tokens=prefill, prefill_attention_pairs=prefill * (prefill + 1) / 2,
+        return BatchShape(num_prefill_tokens=prefill, num_prefill_seqs=1, prefill_causal_pairs=prefill * (prefill + 1) // 2,
                           prefill_kv_tokens=prefill, num_decode_seqs=seqs,
                           decode_context_tokens=seqs * context, num_sampled=seqs + (prefill > 0))
     base = model.step_time(shape(seqs, context, prefill))

@@ -17,17 +17,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-def gemm_work(m: float, n: float, k: float, dtype: str) -> tuple[float, float]:
-    """(FLOPs, bytes) of an (m x k) @ (k x n) GEMM; fp8 inputs write a 16-bit output."""
-    size = DTYPE_BYTES[dtype]
-    return 2.0 * m * n * k, (m * k + k * n) * size + m * n * max(size, 2)
-
-
-def gemm_class(n: float, k: float, dtype: str) -> str:
-    return f"{int(n)}x{int(k)}:{dtype}"
+from sim.latency.operators import gemm_class, gemm_work
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +27,19 @@ class Roofline:
     compute_efficiency: float
     memory_efficiency: float
     t0_s: float
+    per_seq_s: float = 0.0
+    causal_efficiency: float | None = None  # of causal FLOPs (sim.latency.operators); None: e_c
 
-    def time(self, flops: float, nbytes: float) -> float:
-        return self.t0_s + max(flops / (self.peak_flops * self.compute_efficiency),
-                               nbytes / (self.bandwidth * self.memory_efficiency))
+    def time(self, flops: float, nbytes: float, num_seqs: float = 0.0, causal_flops: float = 0.0) -> float:
+        compute = flops / (self.peak_flops * self.compute_efficiency)
+        if causal_flops:
+            compute += causal_flops / (self.peak_flops * (self.causal_efficiency or self.compute_efficiency))
+        return self.t0_s + self.per_seq_s * num_seqs + max(
+            compute, nbytes / (self.bandwidth * self.memory_efficiency))
 
-    def datasheet_time(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+    def datasheet_time(self, flops: float, nbytes: float, num_seqs: float = 0.0,
+                       causal_flops: float = 0.0) -> float:
+        return max((flops + causal_flops) / self.peak_flops, nbytes / self.bandwidth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,19 +64,40 @@ Work = Callable[[float], tuple[float, float]]  # size -> (FLOPs, bytes) for one 
 
 
 class CalibratedOp:
-    """Time of one operator kind; shapes come as (class, size, work function of the size)."""
+    """Time of one operator kind; shapes come as (class, size, work function of the size).
 
-    def __init__(self, roofline: Roofline, table: CorrectionTable | None):
-        self.roofline, self.table = roofline, table
+    With monotone=True (GEMMs: a class fixes the work as a function of the size) the corrected
+    times are made monotone in the size; otherwise (attention: a class leaves the batch or the
+    cached context free) the factor is interpolated and applied as it is."""
+
+    def __init__(self, roofline: Roofline, table: CorrectionTable | None, monotone: bool = True):
+        self.roofline, self.table, self.monotone = roofline, table, monotone
         self._monotone: dict[str, list[float]] = {}
 
     def time(self, shape_class: str, size: float, work: Work) -> float:
         roof = self.roofline
-        flops, nbytes = work(size)
-        fitted, floor = roof.time(flops, nbytes), roof.datasheet_time(flops, nbytes)
+        amounts = work(size)
+        fitted, floor = roof.time(*amounts), roof.datasheet_time(*amounts)
         table = self.table
         if table is None or size <= 0:
             return max(fitted, floor)
+        return max(fitted * self.factor(shape_class, size), floor) if not self.monotone else \
+            self._monotone_time(shape_class, size, work, fitted, floor)
+
+    def factor(self, shape_class: str, size: float) -> float:
+        """The correction factor at size, interpolated in log2(size), held at the edges."""
+        table = self.table
+        factors = table.classes.get(shape_class, table.factors)
+        grid, x = table.grid, math.log2(size)
+        if x <= grid[0]:
+            return factors[0]
+        if x >= grid[-1]:
+            return factors[-1]
+        i = bisect_right(grid, x) - 1
+        return factors[i] + (factors[i + 1] - factors[i]) * ((x - grid[i]) / (grid[i + 1] - grid[i]))
+
+    def _monotone_time(self, shape_class: str, size: float, work: Work, fitted: float, floor: float) -> float:
+        table = self.table
         factors = table.classes.get(shape_class, table.factors)
         grid, x = table.grid, math.log2(size)
         if x < grid[0]:

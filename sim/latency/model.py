@@ -14,26 +14,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.latency.calibrated import calibrated_gemm
+from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
+from sim.latency.operators import (ACTIVATION_BYTES, all_reduce_work, attention_class, attention_decode_work,
+                                   attention_prefill_work)
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
-
-ACTIVATION_BYTES = 2  # bf16 activations
 
 
 @dataclass(frozen=True, slots=True)
 class BatchShape:
     """What one engine step computes, aggregated over its sequences.
 
-    prefill_attention_pairs: sum over prefill chunks of q * (c + (q + 1) / 2), the query-key pairs
-    of a causal chunk of q new tokens after c cached ones.
+    num_prefill_seqs: prefill chunks (one per sequence).
+    prefill_context_pairs, prefill_causal_pairs: sums over prefill chunks of q * c and
+    q (q + 1) / 2, the query-key pairs of a chunk of q new tokens after c cached ones.
     prefill_kv_tokens: sum over prefill chunks of c + q (KV read and written).
     decode_context_tokens: sum over decode sequences of their context including the new token.
     num_sampled: sequences whose logits are computed this step.
     swap_tokens: KV tokens moved between GPU and CPU memory this step (swap preemption).
     """
     num_prefill_tokens: int = 0
-    prefill_attention_pairs: float = 0.0
+    num_prefill_seqs: int = 0
+    prefill_context_pairs: int = 0
+    prefill_causal_pairs: int = 0
     prefill_kv_tokens: int = 0
     num_decode_seqs: int = 0
     decode_context_tokens: int = 0
@@ -76,11 +79,24 @@ class LatencyModel:
         self.dense_mlp_gemms = [(up, h), (h, model.intermediate_size / tp)]
         self.lm_head_gemm = (model.vocab_size / tp, h)
         self.num_dense_layers = model.num_layers - model.num_moe_layers
-        self.prefill_dims = sum(model.attention_dims(decode=False))
-        self.decode_dims = sum(model.attention_dims(decode=True))
+        self.prefill_dims = model.attention_dims(decode=False)
+        self.decode_dims = model.attention_dims(decode=True)
+        # Attention and all-reduce through the operator catalogue's calibrated path; the class
+        # names the per-GPU heads (MLA's latent attention matches no measured class).
+        self.attention_class = attention_class(self.heads_per_rank, model.num_kv_heads / kv_split,
+                                               model.head_dim, kv_dtype)
+        self.prefill_op = self._calibrated("attention_prefill", self.attn_peak, self.bw)
+        self.decode_op = self._calibrated("attention_decode", self.attn_peak, self.bw)
+        self.allreduce_op = self._calibrated("allreduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
         self._per_token_count: dict[int, tuple[float, float, float]] = {}
         self._lm_head: dict[int, float] = {}
+
+    def _calibrated(self, name: str, peak: float, bandwidth: float) -> CalibratedOp:
+        eff = self.profile.op(name)
+        roof = Roofline(peak, bandwidth, eff.compute_efficiency, eff.memory_efficiency, eff.t0_s,
+                        eff.per_seq_s, eff.causal_efficiency)
+        return CalibratedOp(roof, CorrectionTable.from_json(eff.correction), monotone=False)
 
     def _op(self, name: str, flops: float, nbytes: float, peak: float) -> float:
         eff = self.profile.op(name)
@@ -120,15 +136,9 @@ class LatencyModel:
             "overhead": self.profile.step_overhead_s,
         }
         if shape.num_prefill_tokens:
-            flops = 2.0 * self.heads_per_rank * self.prefill_dims * shape.prefill_attention_pairs
-            nbytes = shape.prefill_kv_tokens * self.kv_bytes_per_token_layer_rank
-            times["attention_prefill"] = m.num_layers * self._op(
-                "attention_prefill", flops, nbytes, self.attn_peak)
+            times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
         if shape.num_decode_seqs:
-            flops = 2.0 * self.heads_per_rank * self.decode_dims * shape.decode_context_tokens
-            nbytes = self.decode_kv_bytes_per_layer(shape)
-            times["attention_decode"] = m.num_layers * self._op(
-                "attention_decode", flops, nbytes, self.attn_peak)
+            times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
         if shape.swap_tokens:
             times["swap"] = self.swap_time(shape.swap_tokens)
         return times
@@ -143,6 +153,21 @@ class LatencyModel:
                      if self.tp > 1 else 0.0)
         return qkv_o_proj, mlp, allreduce
 
+    def attention_prefill_time(self, shape: BatchShape) -> float:
+        """One layer's prefill attention on one GPU; the correction axis is the mean chunk."""
+        work = attention_prefill_work(
+            shape.num_prefill_seqs, shape.prefill_context_pairs, shape.prefill_causal_pairs,
+            shape.prefill_kv_tokens, shape.num_prefill_tokens, self.heads_per_rank, *self.prefill_dims,
+            self.kv_bytes_per_token_layer_rank)
+        return self.prefill_op.time(self.attention_class, shape.num_prefill_tokens / max(shape.num_prefill_seqs, 1),
+                                    lambda _: work)
+
+    def attention_decode_time(self, shape: BatchShape) -> float:
+        """One layer's decode attention on one GPU; the correction axis is the cached tokens read."""
+        return self.decode_op.time(self.attention_class, shape.decode_context_tokens, lambda tokens: (
+            attention_decode_work(shape.num_decode_seqs, tokens, self.heads_per_rank, *self.decode_dims,
+                                  self.kv_bytes_per_token_layer_rank)))
+
     def swap_time(self, num_tokens: int) -> float:
         """Each rank moves its share of the tokens' KV over its own host link."""
         nbytes = num_tokens * self.kv_bytes_per_token_rank
@@ -153,11 +178,9 @@ class LatencyModel:
         return shape.decode_context_tokens * self.kv_bytes_per_token_layer_rank
 
     def _allreduce(self, message_bytes: float) -> float:
-        """Ring all-reduce: 2(n-1)/n of the message per GPU over one direction of the link."""
-        eff = self.profile.op("allreduce")
-        per_direction = self.profile.link_bandwidth_bytes_per_s / 2
-        moved = 2 * (self.tp - 1) / self.tp * message_bytes
-        return eff.t0_s + moved / (per_direction * eff.memory_efficiency)
+        """Ring all-reduce over the TP group (sim.latency.operators)."""
+        return self.allreduce_op.time(f"{self.tp}gpus", message_bytes,
+                                      lambda size: all_reduce_work(size, self.tp))
 
     def step_time(self, shape: BatchShape) -> float:
         return sum(self.breakdown(shape).values())
@@ -170,11 +193,16 @@ class LatencyModel:
         before = 0  # sum() adds left to right from 0; attention_decode comes fifth
         for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
             before = before + probe[name]
-        eff = self.profile.op("attention_decode")
+        op, roof = self.decode_op, self.decode_op.roofline
         context = np.asarray(decode_context_tokens, dtype=np.float64)
-        flops = 2.0 * self.heads_per_rank * self.decode_dims * context
-        nbytes = context * self.kv_bytes_per_token_layer_rank
-        attention = self.model.num_layers * (eff.t0_s + np.maximum(
-            flops / (self.attn_peak * eff.compute_efficiency),
-            nbytes / (self.bw * eff.memory_efficiency)))
+        flops, nbytes, _, _ = attention_decode_work(num_seqs, context, self.heads_per_rank, *self.decode_dims,
+                                                    self.kv_bytes_per_token_layer_rank)
+        # CalibratedOp.time on arrays (no causal FLOPs in decode)
+        fitted = roof.t0_s + roof.per_seq_s * num_seqs + np.maximum(
+            flops / (roof.peak_flops * roof.compute_efficiency),
+            nbytes / (roof.bandwidth * roof.memory_efficiency))
+        floor = np.maximum(flops / roof.peak_flops, nbytes / roof.bandwidth)
+        if op.table is not None:
+            fitted = fitted * np.array([op.factor(self.attention_class, size) for size in context.tolist()])
+        attention = self.model.num_layers * np.maximum(fitted, floor)
         return before + attention + probe["allreduce"] + probe["overhead"]

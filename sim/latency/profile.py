@@ -23,6 +23,8 @@ class OperatorEfficiency:
     t0_s: float
     source: str
     correction: dict | None = None  # fitted correction table (sim.latency.calibrated)
+    per_seq_s: float = 0.0          # per sequence in the call (attention)
+    causal_efficiency: float | None = None  # of causal FLOPs (prefill attention); None: compute's
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,8 @@ def profile_from_dict(data: dict) -> GpuProfile:
             t0_s=float(raw["t0_s"]),
             source=str(raw.get("source", data["source"])),
             correction=raw.get("correction"),
+            per_seq_s=float(raw.get("per_seq_s") or 0.0),
+            causal_efficiency=float(raw["causal_efficiency"]) if raw.get("causal_efficiency") else None,
         )
     return GpuProfile(
         name=data["name"], gpu_name=data["gpu_name"], source=data["source"],

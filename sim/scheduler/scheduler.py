@@ -303,8 +303,8 @@ class Scheduler:
 
 
 def _shape(scheduled, swap_tokens: int = 0) -> BatchShape:
-    prefill_tokens = prefill_kv = decode_seqs = decode_context = sampled = 0
-    pairs = 0.0
+    prefill_tokens = prefill_seqs = prefill_kv = decode_seqs = decode_context = sampled = 0
+    context_pairs = causal_pairs = 0
     for seq, num_new in scheduled:
         context = seq.num_computed
         if context + num_new == seq.num_tokens:
@@ -314,7 +314,9 @@ def _shape(scheduled, swap_tokens: int = 0) -> BatchShape:
                 decode_context += context + 1
                 continue
         prefill_tokens += num_new
+        prefill_seqs += 1
         prefill_kv += context + num_new
-        pairs += num_new * (context + (num_new + 1) / 2)
-    return BatchShape(prefill_tokens, pairs, prefill_kv, decode_seqs, decode_context, sampled,
-                      swap_tokens)
+        context_pairs += num_new * context
+        causal_pairs += num_new * (num_new + 1) // 2
+    return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
+                      decode_context, sampled, swap_tokens)

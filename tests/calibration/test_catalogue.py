@@ -1,0 +1,156 @@
+"""The operator catalogue: one work model per operator for the fit, predict and the simulator."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from calibration.commands import predict_task
+from calibration.fit import fit_profile, fit_roofline, prepare
+from sim.latency.model import BatchShape, LatencyModel
+from sim.latency.operators import CATALOGUE
+from sim.latency.profile import load_profile
+from sim.models import load_model
+
+DATA = Path(__file__).parent.parent / "data"
+HEADS = {"num_q_heads": 32, "num_kv_heads": 4, "head_dim": 128, "dtype": "bf16"}  # Llama-2-70B, TP 2
+
+
+def predicted(tmp_path, rows: list[dict], gpu: str = "a100_80g") -> pd.DataFrame:
+    shapes, out = tmp_path / "shapes.csv", tmp_path / "out.csv"
+    pd.DataFrame(rows).to_csv(shapes, index=False)
+    predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes), "out": str(out)}))
+    return pd.read_csv(out)
+
+
+def test_simulator_breakdown_equals_predict_for_every_operator(tmp_path):
+    model, profile = load_model("llama2_70b"), load_profile("a100_80g")
+    latency = LatencyModel(model, profile, 2, "bf16")
+    seqs, context, chunk, cached = 24, 700, 300, 1200
+    shape = BatchShape(num_prefill_tokens=chunk, num_prefill_seqs=1, prefill_context_pairs=chunk * cached,
+                       prefill_causal_pairs=chunk * (chunk + 1) // 2, prefill_kv_tokens=cached + chunk,
+                       num_decode_seqs=seqs, decode_context_tokens=seqs * context, num_sampled=seqs + 1)
+    times = latency.breakdown(shape)
+    tokens, layers, hidden = chunk + seqs, model.num_layers, model.hidden_size
+    heads = model.num_heads // 2
+    rows = [{"op": "attention_decode", "batch_size": seqs, "context_len": context, **HEADS},
+            {"op": "attention_prefill", "chunk_len": chunk, "context_len": cached, **HEADS},
+            {"op": "all_reduce", "bytes": tokens * hidden * 2, "num_gpus": 2},
+            {"op": "gemm", "m": tokens, "n": (heads + 2 * 4) * 128, "k": hidden, "dtype": "bf16"},
+            {"op": "gemm", "m": tokens, "n": hidden, "k": heads * 128, "dtype": "bf16"}]
+    out = predicted(tmp_path, rows).time_s.tolist()
+    assert times["attention_decode"] == pytest.approx(layers * out[0], rel=1e-12)
+    assert times["attention_prefill"] == pytest.approx(layers * out[1], rel=1e-12)
+    assert times["allreduce"] == pytest.approx(2 * layers * out[2], rel=1e-12)
+    assert times["qkv_o_proj"] == pytest.approx(layers * (out[3] + out[4]), rel=1e-12)
+
+
+def with_decode_correction(profile, factor: float):
+    decode = dataclasses.replace(profile.op("attention_decode"),
+                                 correction={"grid": [4.0, 20.0], "factors": [factor, factor], "classes": {}})
+    return dataclasses.replace(profile, operators={**profile.operators, "attention_decode": decode})
+
+
+def test_a_correction_in_the_profile_changes_the_simulated_step():
+    model, profile = load_model("llama2_70b"), load_profile("a100_80g")
+    shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 1500, num_sampled=64)
+    plain = LatencyModel(model, profile, 2, "bf16")
+    tripled = LatencyModel(model, with_decode_correction(profile, 3.0), 2, "bf16")
+    attention = plain.breakdown(shape)["attention_decode"]
+    assert tripled.breakdown(shape)["attention_decode"] == pytest.approx(3 * attention, rel=1e-12)
+    assert tripled.step_time(shape) == pytest.approx(plain.step_time(shape) + 2 * attention, rel=1e-12)
+    # a decode stretch's times stay bit for bit the step loop's under a correction
+    contexts = np.arange(64 * 1500, 64 * 1500 + 64 * 40, 64)
+    stepped = [tripled.step_time(BatchShape(num_decode_seqs=64, decode_context_tokens=int(c), num_sampled=64))
+               for c in contexts]
+    assert tripled.decode_step_times(64, contexts).tolist() == stepped
+
+
+def test_predict_mixes_operators_in_order_and_keeps_other_columns(tmp_path):
+    rows = [{"op": "attention_decode", "batch_size": 8, "context_len": c, "note": f"d{c}", **HEADS}
+            for c in (512, 2048, 8192)]
+    rows += [{"op": "attention_prefill", "chunk_len": q, "context_len": 1024, "note": f"p{q}", **HEADS}
+             for q in (128, 512, 2048)]
+    rows.insert(2, {"op": "gemm", "m": 512, "n": 4096, "k": 4096, "dtype": "fp16", "note": "g"})
+    rows.append({"op": "all_reduce", "bytes": 2**24, "num_gpus": 4, "note": "a"})
+    out = predicted(tmp_path, rows)
+    assert out.note.tolist() == [r["note"] for r in rows]
+    decode = out[out.op == "attention_decode"].time_s.tolist()
+    prefill = out[out.op == "attention_prefill"].time_s.tolist()
+    assert decode == sorted(decode) and prefill == sorted(prefill) and (out.time_s > 0).all()
+    # beyond the shared file's 2,048 tokens the decode time keeps growing with the KV read
+    assert 2.5 < decode[2] / decode[1] < 4.5
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "calibration", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("csv, fragment", [
+    ("op,m,n,k,dtype\nsoftmax,1,2,3,fp16\n", "unknown op(s) softmax"),
+    ("op,batch_size,context_len,num_q_heads,num_kv_heads,dtype\nattention_decode,1,2,32,8,bf16\n",
+     "op=attention_decode rows need column(s) head_dim"),
+    ("op,m,n,k,dtype,bytes\ngemm,1,2,3,fp16,\nall_reduce,,,,,100\n", "op=all_reduce rows need column(s) num_gpus"),
+])
+def test_predict_rejects_unknown_ops_and_missing_columns_in_one_line(tmp_path, csv, fragment):
+    (tmp_path / "shapes.csv").write_text(csv)
+    out = run("predict", "gpu=a100_80g", "shapes=shapes.csv", "out=o.csv", cwd=tmp_path)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], out.stderr
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_fit_recovers_known_attention_parameters():
+    base = json.loads((resources.files("calibration") / "profiles" / "a100_80g.json").read_text())
+    rng, rows = np.random.default_rng(0), []
+    decode = dict(t0_s=12e-6, per_seq_s=0.3e-6, memory_efficiency=0.7)
+    prefill = dict(t0_s=20e-6, compute_efficiency=0.45, causal_efficiency=0.15)
+    for batch in (1, 4, 16, 64, 128):
+        for context in (128, 512, 1024, 2048, 4096):
+            nbytes = batch * context * 2 * 4 * 128 * 2
+            t = decode["t0_s"] + decode["per_seq_s"] * batch + nbytes / (2.039e12 * decode["memory_efficiency"])
+            rows.append({"op": "attention_decode", "batch_size": batch, "context_len": context, **HEADS,
+                         "time_s": t * (1 + 0.01 * rng.standard_normal())})
+    for q in (64, 128, 256, 512, 1024, 2048):
+        for context in (0, 128, 384, 768, 3072):
+            per_pair = 4.0 * 32 * 128 / 312e12
+            t = (prefill["t0_s"] + per_pair * q * context / prefill["compute_efficiency"]
+                 + per_pair * q * (q + 1) / 2 / prefill["causal_efficiency"])
+            rows.append({"op": "attention_prefill", "chunk_len": q, "context_len": context, **HEADS,
+                         "time_s": t * (1 + 0.01 * rng.standard_normal())})
+    profile, report = fit_profile(pd.DataFrame(rows), base, name="a100_80g", source="measured", origin="synthetic",
+                                  date="2026-12-01", versions={})
+    got = profile["operators"]
+    assert got["attention_decode"]["memory_efficiency"] == pytest.approx(0.7, rel=0.06)
+    assert got["attention_decode"]["per_seq_s"] == pytest.approx(0.3e-6, rel=0.5)
+    assert got["attention_decode"]["compute_efficiency"] == 0.5  # not identified: the prior's
+    assert got["attention_prefill"]["compute_efficiency"] == pytest.approx(0.45, rel=0.08)
+    assert got["attention_prefill"]["causal_efficiency"] == pytest.approx(0.15, rel=0.08)
+    assert report["attention_prefill"]["extrapolation"]["mape"] < 0.08  # 1% noise, few short contexts to train on
+
+
+def test_vidur_attention_sample_extrapolates_past_1024_tokens_within_15_percent(tmp_path):
+    from calibration.vidur import import_attention
+    rows = pd.DataFrame(import_attention(DATA / "vidur_a100_2024_sample" / "attention.csv", "a100"))
+    assert set(rows.op) == {"attention_decode", "attention_prefill"}
+    assert set(CATALOGUE["attention_decode"].columns) <= set(rows.columns)
+    base = json.loads((resources.files("calibration") / "profiles" / "a100_80g.json").read_text())
+    for op in ("attention_decode", "attention_prefill"):  # the datasheet defaults, before any fit
+        base["operators"][op] = {"compute_efficiency": 0.5, "memory_efficiency": 0.8, "t0_s": 4e-6}
+    _, report = fit_profile(rows, base, name="a100_80g", source="imported", origin="sample", date="2026-12-01",
+                            versions={})
+    for op in ("attention_decode", "attention_prefill"):
+        ours, datasheet = report[op]["extrapolation"]["mape"], report[op]["extrapolation_datasheet"]["mape"]
+        assert ours < 0.15 and ours < datasheet, (op, ours, datasheet)
+    prepared = prepare(rows, "attention_prefill", base)
+    assert fit_roofline(prepared.tc.to_numpy(), prepared.tm.to_numpy(), prepared.t.to_numpy(),
+                        tk=prepared.tk.to_numpy())["causal_efficiency"] < 0.5
