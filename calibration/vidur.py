@@ -37,6 +37,18 @@ def gpu_of(path: Path) -> str:
     return "unknown"
 
 
+def _read(path: Path, needed: tuple[str, ...], what: str) -> pd.DataFrame:
+    """A Vidur CSV with the columns needed, or a one-line error naming the file."""
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise RawError(f"unreadable Vidur CSV ({str(exc).splitlines()[0]}), {path}, give {what}") from None
+    missing = [c for c in needed if c not in frame.columns]
+    if missing:
+        raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, give {what}")
+    return frame
+
+
 def _shapes(row) -> dict[str, tuple[int, int]]:
     tp = int(row.num_tensor_parallel_workers)
     hd = int(row.n_embd) // int(row.n_head)
@@ -50,15 +62,8 @@ def _shapes(row) -> dict[str, tuple[int, int]]:
 
 
 def import_file(path: Path) -> list[dict]:
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise RawError(f"unreadable Vidur CSV ({str(exc).splitlines()[0]}), {path}, "
-                       f"give Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv") from None
-    missing = [c for c in NEEDED + tuple(f"time_stats.{g}.median" for g in GEMMS) if c not in frame.columns]
-    if missing:
-        raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, "
-                       f"give Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv")
+    frame = _read(path, NEEDED + tuple(f"time_stats.{g}.median" for g in GEMMS),
+                  "Vidur's data/profiling/compute/<gpu>/<model>/mlp.csv")
     model = path.stem.split("__")[-1]
     gpu = gpu_of(path)
     rows = []
@@ -89,15 +94,7 @@ ATTENTION_NEEDED = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_work
 
 def import_attention(path: Path, gpu: str) -> list[dict]:
     """Vidur's attention.csv -> attention_decode and attention_prefill rows (seconds)."""
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise RawError(f"unreadable Vidur CSV ({str(exc).splitlines()[0]}), {path}, "
-                       f"give Vidur's data/profiling/<gpu>/attention.csv") from None
-    missing = [c for c in ATTENTION_NEEDED if c not in frame.columns]
-    if missing:
-        raise RawError(f"missing column(s) {', '.join(missing[:3])}, {path}:1, "
-                       f"give Vidur's data/profiling/<gpu>/attention.csv")
+    frame = _read(path, ATTENTION_NEEDED, "Vidur's data/profiling/<gpu>/attention.csv")
     rows = []
     for line, row in enumerate(frame.to_dict("records"), start=2):
         tp = int(row["num_tensor_parallel_workers"])
