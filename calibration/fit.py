@@ -60,10 +60,11 @@ def prepare(frame: pd.DataFrame, op: str, profile: dict) -> pd.DataFrame:
     model = OPS[op]
     rows = frame[frame.op == op].copy()
     records = rows.to_dict("records")
-    rows["size"] = [model.size(r) for r in records]
+    sizes = [model.size(r) for r in records]
+    rows["size"] = sizes
     rows["klass"] = [model.shape_class(r) for r in records]
     rows["split_axis"] = [model.extrapolation(r) for r in records]
-    work = [tuple(model.work(r, model.size(r))) + (0.0, 0.0) for r in records]
+    work = [tuple(model.work(r, size)) + (0.0, 0.0) for r, size in zip(records, sizes)]
     peaks = np.array([_peak(profile, op, r["dtype"]) if "dtype" in r else 1.0 for r in records])
     rows["tc"] = np.array([w[0] for w in work]) / peaks
     rows["tm"] = np.array([w[1] for w in work]) / _bandwidth(profile, op)
@@ -71,6 +72,14 @@ def prepare(frame: pd.DataFrame, op: str, profile: dict) -> pd.DataFrame:
     rows["tk"] = np.array([w[3] for w in work]) / peaks
     rows["t"] = rows.time_s.astype(float)
     return rows.reset_index(drop=True)
+
+
+def modelled(params: dict, tc: np.ndarray, tm: np.ndarray, n: np.ndarray, tk: np.ndarray) -> np.ndarray:
+    """The fitted form on prepared columns: t0 + per_seq n + max(tc / e_c + tk / e_causal, tm / e_m)."""
+    compute = tc / params["compute_efficiency"]
+    if params["causal_efficiency"]:
+        compute = compute + tk / params["causal_efficiency"]
+    return params["t0_s"] + params["per_seq_s"] * n + np.maximum(compute, tm / params["memory_efficiency"])
 
 
 def fit_roofline(tc: np.ndarray, tm: np.ndarray, t: np.ndarray, seed: int = 0, n: np.ndarray | None = None,
@@ -91,9 +100,7 @@ def fit_roofline(tc: np.ndarray, tm: np.ndarray, t: np.ndarray, seed: int = 0, n
     causal_grid = EFFICIENCIES if tk.any() else np.ones(1)
 
     def loss(p):
-        causal = tk / p["causal_efficiency"] if p["causal_efficiency"] else 0.0
-        return np.abs(np.log(p["t0_s"] + p["per_seq_s"] * n + np.maximum(
-            tc / p["compute_efficiency"] + causal, tm / p["memory_efficiency"])) - log_t).mean()
+        return np.abs(np.log(modelled(p, tc, tm, n, tk)) - log_t).mean()
 
     best, memory = (np.inf,), tm[None, None, :] / EFFICIENCIES[None, :, None]
     for t0 in T0_GRID_S:
@@ -154,24 +161,21 @@ def roofline_params(params: dict) -> dict:
 
 
 def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
-    params = fit_roofline(rows.tc.to_numpy(), rows.tm.to_numpy(), rows.t.to_numpy(), n=rows.seqs.to_numpy(),
-                          tk=rows.tk.to_numpy(),
-                          prior_compute_efficiency=operator_params(profile, op)["compute_efficiency"],
-                          prior_memory_efficiency=operator_params(profile, op)["memory_efficiency"])
+    prior = operator_params(profile, op)
+    columns = (rows.tc.to_numpy(), rows.tm.to_numpy(), rows.seqs.to_numpy(), rows.tk.to_numpy())
+    params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), n=columns[2], tk=columns[3],
+                          prior_compute_efficiency=prior["compute_efficiency"],
+                          prior_memory_efficiency=prior["memory_efficiency"])
     if op in ATTENTION_OPS:  # the physical form extrapolates; a table would hold its edges
         return params
-    fitted = params["t0_s"] + params["per_seq_s"] * rows.seqs.to_numpy() + np.maximum(
-        rows.tc.to_numpy() / params["compute_efficiency"]
-        + rows.tk.to_numpy() / (params["causal_efficiency"] or params["compute_efficiency"]),
-        rows.tm.to_numpy() / params["memory_efficiency"])
-    return {**params, "correction": fit_table(rows, fitted).to_json()}
+    return {**params, "correction": fit_table(rows, modelled(params, *columns)).to_json()}
 
 
 def calibrated_op(profile: dict, op: str, params: dict, dtype: str | None) -> CalibratedOp:
     peak = _peak(profile, op, dtype) if OPS[op].peak == "compute" else 1.0
     roof = Roofline(peak, _bandwidth(profile, op), params["compute_efficiency"], params["memory_efficiency"],
                     params["t0_s"], params.get("per_seq_s", 0.0), params.get("causal_efficiency"))
-    return CalibratedOp(roof, CorrectionTable.from_json(params.get("correction")), monotone=op not in ATTENTION_OPS)
+    return CalibratedOp(roof, CorrectionTable.from_json(params.get("correction")), OPS[op].monotone)
 
 
 def predict(rows: pd.DataFrame, profile: dict, op: str, params: dict) -> np.ndarray:

@@ -66,7 +66,3 @@ AS_CATALOGUE = {
                                       "num_q_heads": "heads", "num_kv_heads": "kv_heads", "head_dim": "head_dim",
                                       "dtype": "dtype"}),
 }
-
-
-def shape_class(op: str, row) -> str:
-    return OPS[op].shape_class(row)

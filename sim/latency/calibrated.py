@@ -81,8 +81,9 @@ class CalibratedOp:
         table = self.table
         if table is None or size <= 0:
             return max(fitted, floor)
-        return max(fitted * self.factor(shape_class, size), floor) if not self.monotone else \
-            self._monotone_time(shape_class, size, work, fitted, floor)
+        if self.monotone:
+            return self._monotone_time(shape_class, size, work, fitted, floor)
+        return max(fitted * self.factor(shape_class, size), floor)
 
     def factor(self, shape_class: str, size: float) -> float:
         """The correction factor at size, interpolated in log2(size), held at the edges."""

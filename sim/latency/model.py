@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
-from sim.latency.operators import (ACTIVATION_BYTES, all_reduce_work, attention_class, attention_decode_work,
-                                   attention_prefill_work)
+from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
+                                   attention_decode_work, attention_prefill_work)
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
 
@@ -85,18 +85,19 @@ class LatencyModel:
         # names the per-GPU heads (MLA's latent attention matches no measured class).
         self.attention_class = attention_class(self.heads_per_rank, model.num_kv_heads / kv_split,
                                                model.head_dim, kv_dtype)
-        self.prefill_op = self._calibrated("attention_prefill", self.attn_peak, self.bw)
-        self.decode_op = self._calibrated("attention_decode", self.attn_peak, self.bw)
-        self.allreduce_op = self._calibrated("allreduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
+        self.prefill_op = self._calibrated("attention_prefill", "attention_prefill", self.attn_peak, self.bw)
+        self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
+        self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
         self._per_token_count: dict[int, tuple[float, float, float]] = {}
         self._lm_head: dict[int, float] = {}
 
-    def _calibrated(self, name: str, peak: float, bandwidth: float) -> CalibratedOp:
+    def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
+        """The profile's operator `name`, timed as the catalogue's `operator`."""
         eff = self.profile.op(name)
         roof = Roofline(peak, bandwidth, eff.compute_efficiency, eff.memory_efficiency, eff.t0_s,
                         eff.per_seq_s, eff.causal_efficiency)
-        return CalibratedOp(roof, CorrectionTable.from_json(eff.correction), monotone=False)
+        return CalibratedOp(roof, CorrectionTable.from_json(eff.correction), CATALOGUE[operator].monotone)
 
     def _op(self, name: str, flops: float, nbytes: float, peak: float) -> float:
         eff = self.profile.op(name)

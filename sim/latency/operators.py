@@ -104,6 +104,7 @@ class Operator:
     extrapolation_axis: str                       # what that axis is, for the fit report
     peak: str = "compute"                         # or "none": moves bytes only
     bandwidth: str = "hbm"                        # "hbm", "link" (one direction) or "host"
+    monotone: bool = True                         # a class fixes the work as a function of the size
 
 
 CATALOGUE = {
@@ -114,11 +115,12 @@ CATALOGUE = {
     "attention_decode": Operator(
         ("batch_size", "context_len", "num_q_heads", "num_kv_heads", "head_dim", "dtype"),
         lambda r: float(_i(r, "batch_size") * _i(r, "context_len")), _attention_class, _decode,
-        lambda r: float(r["context_len"]), (1024, 1025), "context_len"),
+        lambda r: float(r["context_len"]), (1024, 1025), "context_len", monotone=False),
     "attention_prefill": Operator(
         ("chunk_len", "context_len", "num_q_heads", "num_kv_heads", "head_dim", "dtype"),
         lambda r: float(r["chunk_len"]), _attention_class, _prefill,
-        lambda r: float(_i(r, "chunk_len") + _i(r, "context_len")), (1024, 1025), "chunk_len + context_len"),
+        lambda r: float(_i(r, "chunk_len") + _i(r, "context_len")), (1024, 1025), "chunk_len + context_len",
+        monotone=False),
     "all_reduce": Operator(("bytes", "num_gpus"), lambda r: float(r["bytes"]),
                            lambda r: f"{int(r['num_gpus'])}gpus",
                            lambda r, b: all_reduce_work(b, _i(r, "num_gpus")),
