@@ -216,6 +216,12 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                         workload_facts={"num_skipped_records": workload.num_skipped_records,
                                         "num_failed_requests": workload.num_failed_requests,
                                         "trace_format": workload.trace_format})
+    if workload.max_concurrency is not None:
+        metrics["client"] = {
+            "max_concurrency": workload.max_concurrency,
+            "num_held_requests": cluster.num_held_requests,
+            "mean_held_s_per_held_request": (cluster.held_time_s / cluster.num_held_requests
+                                             if cluster.num_held_requests else 0.0)}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
 

@@ -56,8 +56,20 @@ def unserved_warnings(results, cfg) -> list[str]:
         base = metrics["num_requests"] + metrics["unserved"]["unfinished"]
         own = unserved_lines(metrics["unserved"], base, metrics["max_model_len"], cfg.model.name,
                              result.allocator)
-        for line in own:
+        for line in own + client_lines(metrics):
             if line not in seen:
                 seen.add(line)
                 lines.append(line)
     return lines
+
+
+def client_lines(metrics: dict) -> list[str]:
+    """A benchmark client's cap on requests in flight: how many waited for it, and for how long."""
+    client = metrics.get("client")
+    if not client or not client["num_held_requests"]:
+        return []
+    held = client["num_held_requests"]
+    return [f"note: {held} of {metrics['num_requests']} requests waited at the client for a free "
+            f"slot (scenario.max_concurrency={client['max_concurrency']}), "
+            f"{client['mean_held_s_per_held_request']:.3g} s each on average; their latencies count "
+            f"from when they were sent, as vllm bench serve measures them"]

@@ -109,6 +109,7 @@ def test_multirun_sweeps(tmp_path):
     (["trace-stats", "scenario=chat", "gpu=h200"], ["trace-stats does not read gpu"]),
     (["trace-stats", "scenario=chat", "trace.path=sample:mooncake"], ["trace-stats describes scenario=chat"]),
     (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
+    (["run", "scenario=bench", "scenario.request_rate=0"], ["request_rate must be > 0", "scenario bench"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)

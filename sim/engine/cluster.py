@@ -1,5 +1,9 @@
-"""The cluster: session arrivals, routing, and follow-up turns after think time."""
+"""The cluster: session arrivals, routing, follow-up turns after think time, and a benchmark
+client's cap on requests in flight (a request over the cap waits, and its latency counts from
+when it is sent, as `vllm bench serve` measures it)."""
 from __future__ import annotations
+
+from collections import deque
 
 import simpy
 
@@ -14,6 +18,11 @@ class Cluster:
         self.on_progress = lambda now: None  # called once per request served or rejected
         self._sessions: dict[tuple[int, int], Session] = {}
         self._samples: dict[int, list[Sequence]] = {}  # request id -> finished samples so far
+        self.max_concurrency: int | None = None
+        self._in_flight = 0
+        self._held: deque[tuple[Session, int, float]] = deque()  # over the cap, in arrival order
+        self.num_held_requests = 0   # requests that waited at the client for a free slot
+        self.held_time_s = 0.0       # their waits, summed
 
     def add_replica(self, replica) -> None:
         self.replicas.append(replica)
@@ -21,6 +30,7 @@ class Cluster:
     def start(self, workload: Workload) -> None:
         sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id, s.chain))
         self._sessions = {(s.session_id, s.chain): s for s in sessions}
+        self.max_concurrency = workload.max_concurrency
         self.env.process(self._arrivals(sessions))
 
     def _arrivals(self, sessions):
@@ -31,11 +41,17 @@ class Cluster:
             self._submit(session, 0)
 
     def _submit(self, session: Session, turn: int) -> None:
+        if self.max_concurrency is not None:
+            if self._in_flight >= self.max_concurrency:
+                self._held.append((session, turn, self.env.now))
+                return
+            self._in_flight += 1
         request = session.turns[turn]
         if request.prompt_len > self.max_model_len:
             # vLLM rejects such a prompt at once; the client goes on with its next turn.
             self.recorder.append_rejected(request, self.env.now)
             self.on_progress(self.env.now)
+            self._release()
             self._next_turn(session, turn + 1)
             return
         seq = Sequence(request, self.env.now, self.max_model_len)
@@ -52,9 +68,21 @@ class Cluster:
             del self._samples[seq.request.request_id]
         self.recorder.append_finished(samples)
         self.on_progress(self.env.now)
+        self._release()
         self._next_turn(self._sessions[seq.request.session_id, seq.request.chain], seq.request.turn + 1)
 
     def _next_turn(self, session: Session, turn: int) -> None:
         if turn < len(session.turns):
             delay = self.env.timeout(session.turns[turn].think_time_s)
             delay.callbacks.append(lambda _event: self._submit(session, turn))
+
+    def _release(self) -> None:
+        """A request left the client's cap: send the longest-waiting held one."""
+        if self.max_concurrency is None:
+            return
+        self._in_flight -= 1
+        if self._held:
+            session, turn, since = self._held.popleft()
+            self.num_held_requests += 1
+            self.held_time_s += self.env.now - since
+            self._submit(session, turn)

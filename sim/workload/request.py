@@ -107,6 +107,9 @@ class Workload:
     num_failed_requests: int = 0   # requests the trace marks as failed (BurstGPT zero responses)
     trace_format: str = ""         # the format a trace was read as (trace.format=auto says which)
     num_truncated_prompts: int = 0  # prompts cut to max_model_len - 1 (trace.on_overlength=truncate)
+    # Requests in flight at most, over the whole cluster (a benchmark client's semaphore); a
+    # request arriving when that many are in flight is sent when one finishes. None: no cap.
+    max_concurrency: int | None = None
 
     @property
     def num_requests(self) -> int:
