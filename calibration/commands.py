@@ -153,6 +153,7 @@ def show_task(cfg: DictConfig) -> None:
         print(f"  {name:<18} source={op.get('source', profile['source']):<9} "
               f"e_c={op.get('compute_efficiency', op.get('link_efficiency', 1)):.3f} "
               f"e_m={op.get('memory_efficiency', op.get('link_efficiency', 1)):.3f} t0={op['t0_s'] * 1e6:.1f}us"
+              + (f" per_seq={op['per_seq_s'] * 1e6:.2f}us" if op.get("per_seq_s") else "")
               + ("  +correction table" if op.get("correction") else ""))
     for op, numbers in profile.get("fit_report", {}).items():
         for split in ("held_out_classes", "extrapolation"):

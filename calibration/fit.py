@@ -22,7 +22,6 @@ PER_SEQ_GRID_S = np.array([0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3
 TABLE_POINTS = 32
 NUM_FOLDS = 5
 UNIDENTIFIED_LOSS = 1e-3  # an efficiency the data cannot tell from the prior's within this mean |log error|
-ATTENTION_OPS = ("attention_decode", "attention_prefill")
 ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "t0_s", "per_seq_s", "causal_efficiency")
 
 
@@ -34,6 +33,8 @@ def _peak(profile: dict, op: str, dtype: str) -> float:
 
 def _bandwidth(profile: dict, op: str) -> float:
     kind = OPS[op].bandwidth
+    if kind == "none":  # no bytes to move (the CPU's step work)
+        return 1.0
     if kind == "link":  # one direction of the GPU's link
         return float(profile["link_bandwidth_bytes_per_s"]) / 2
     return float(profile["host_link_bytes_per_s" if kind == "host" else "hbm_bandwidth_bytes_per_s"])
@@ -160,13 +161,29 @@ def roofline_params(params: dict) -> dict:
     return {k: params[k] for k in ROOFLINE_KEYS if k in params}
 
 
+def fit_overhead(n: np.ndarray, t: np.ndarray) -> dict:
+    """t0 + per_seq n for work without FLOPs or bytes (the CPU's step), least squares of the
+    relative error, both terms >= 0."""
+    weights = 1.0 / t
+    design = np.stack([np.ones_like(n), n], axis=1) * weights[:, None]
+    t0, per_seq = np.linalg.lstsq(design, t * weights, rcond=None)[0]
+    if per_seq < 0:
+        t0, per_seq = float(np.median(t)), 0.0
+    elif t0 < 0:
+        t0, per_seq = 0.0, float(np.median(t / n))
+    return {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": float(t0),
+            "per_seq_s": float(per_seq), "causal_efficiency": None}
+
+
 def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
     prior = operator_params(profile, op)
     columns = (rows.tc.to_numpy(), rows.tm.to_numpy(), rows.seqs.to_numpy(), rows.tk.to_numpy())
+    if not (columns[0].any() or columns[1].any() or columns[3].any()):
+        return fit_overhead(columns[2], rows.t.to_numpy())
     params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), n=columns[2], tk=columns[3],
                           prior_compute_efficiency=prior["compute_efficiency"],
                           prior_memory_efficiency=prior["memory_efficiency"])
-    if op in ATTENTION_OPS:  # the physical form extrapolates; a table would hold its edges
+    if not OPS[op].table:  # the physical form extrapolates; a table would hold its edges
         return params
     return {**params, "correction": fit_table(rows, modelled(params, *columns)).to_json()}
 
@@ -246,12 +263,21 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
         datasheet = operator_params(base, op)
         report[op] = {"fit": roofline_params(params), **evaluate(rows, base, op, datasheet)}
         key = operator_key(op)
+        fitted = {**params, "source": provenance(source, rows), "origin": origin}
         if key in profile["operators"]:
-            profile["operators"][key] = {**params, "source": source, "origin": origin}
+            profile["operators"][key] = fitted
         else:
-            profile.setdefault("extra_operators", {})[op] = {**params, "source": source, "origin": origin}
+            profile.setdefault("extra_operators", {})[op] = fitted
     profile["fit_report"] = report
     return profile, report
+
+
+def provenance(source: str, rows: pd.DataFrame) -> str:
+    """`measured`, or `imported:<where the rows came from> (<rows>)`."""
+    if source == "measured":
+        return "measured"
+    families = sorted({str(s).split(":")[0] for s in rows.source.dropna()}) if "source" in rows else []
+    return f"imported:{'+'.join(families) or source} ({len(rows)} rows)"
 
 
 def operator_key(op: str) -> str:

@@ -10,8 +10,10 @@ timings: the four GEMMs per layer become `gemm` rows, shapes per
 
 Their `attention.csv` (FlashAttention per layer and GPU, Kineto) becomes `attention_decode` rows
 (batch_size sequences of kv_cache_size cached tokens) and `attention_prefill` rows (a chunk of
-prefill_chunk_size tokens after kv_cache_size cached ones), heads per GPU = heads / TP. Other
-files of a folder (collectives, CPU overheads) are listed as not imported.
+prefill_chunk_size tokens after kv_cache_size cached ones), heads per GPU = heads / TP. Their
+`cpu_overheads.csv` (Sarathi-Serve's per-step host times) becomes `cpu_step` rows: the medians of
+schedule, prepare inputs, sampler and output processing, summed, per batch size. Other files of a
+folder (collectives) are listed as not imported.
 """
 from __future__ import annotations
 
@@ -115,6 +117,24 @@ def import_attention(path: Path, gpu: str) -> list[dict]:
     return rows
 
 
+CPU_PARTS = ("schedule", "prepare_inputs_e2e", "sampler_e2e", "process_model_outputs")
+
+
+def import_cpu_overheads(path: Path, gpu: str) -> list[dict]:
+    """Vidur's cpu_overheads.csv -> cpu_step rows (seconds per engine step, by batch size)."""
+    needed = ("model_name", "batch_size", "tensor_parallel_degree") + tuple(f"{p}_median" for p in CPU_PARTS)
+    frame = _read(path, needed, "Vidur's data/profiling/<gpu>/cpu_overheads.csv")
+    rows = []
+    for line, row in enumerate(frame.to_dict("records"), start=2):
+        parts = [row[f"{p}_median"] for p in CPU_PARTS]
+        if any(value != value for value in parts):  # NaN
+            raise RawError(f"row without its CPU times, {path}:{line}, give Vidur's whole cpu_overheads.csv")
+        rows.append({"op": "cpu_step", "batch_size": int(row["batch_size"]),
+                     "tp": int(row["tensor_parallel_degree"]), "time_s": sum(parts) / 1e3,
+                     "source": f"vidur:cpu_overheads:{row['model_name']}", "gpu": gpu})
+    return rows
+
+
 def import_directory(folder: Path) -> list[dict]:
     """Every Vidur file of a folder this importer knows; the others are named as skipped."""
     if not folder.is_dir():
@@ -124,10 +144,13 @@ def import_directory(folder: Path) -> list[dict]:
     if not files:
         raise RawError(f"no CSV files in '{folder}', key path, give the folder of Vidur CSVs")
     rows, skipped = [], []
+    gpu = folder.name.split("_")[1] if "_" in folder.name else "unknown"
     for path in files:
         if path.name == "attention.csv":
-            rows.extend(import_attention(path, folder.name.split("_")[1] if "_" in folder.name else "unknown"))
-        elif path.name in ("all_reduce.csv", "send_recv.csv", "cpu_overheads.csv"):
+            rows.extend(import_attention(path, gpu))
+        elif path.name == "cpu_overheads.csv":
+            rows.extend(import_cpu_overheads(path, gpu))
+        elif path.name in ("all_reduce.csv", "send_recv.csv"):
             skipped.append(path.name)
         else:
             rows.extend(import_file(path))

@@ -17,6 +17,12 @@ GiB = 2**30
 TRACE_SELECTED_ENV = "KVSIM_TRACE_SCENARIO_SELECTED"  # set by `python -m sim` when it chose it
 
 
+def profile_line(latency_profile: dict) -> str:
+    """Which GPU profile timed the run, and where each operator's figures come from."""
+    sources = "; ".join(f"{op} {source}" for op, source in latency_profile.get("operators", {}).items())
+    return f"step times: gpu profile {latency_profile['gpu']} ({sources})"
+
+
 def run_task(cfg: DictConfig) -> None:
     """Simulate the scenario once per allocator; write results, plots and comparison.csv."""
     from sim.report import format_serving, format_table, plot_run, run_title
@@ -53,6 +59,7 @@ def run_task(cfg: DictConfig) -> None:
         print(title)
         print(format_table(comparison))
         print(format_serving(comparison))
+        print(profile_line(results[0].metrics["latency_profile"]))
         print(f"results: {final_dir(out_dir)}")
     progress = sweep_progress(out_dir)
     if progress and cfg.progress:

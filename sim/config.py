@@ -86,6 +86,9 @@ class RunConfig:
     quiet: bool = False
     progress: bool = True
     step_exact: bool = False
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    quantization: Optional[str] = None
 
 
 @dataclass
@@ -146,6 +149,19 @@ class EngineSpec:
     warmup_s: float
     exclude_drain: bool
     step_exact: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
+    quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
+
+
+def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """vLLM V1's default CUDA-graph batch sizes (vllm/config/compilation.py, v0.11):
+    [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16), max = min(2 max_num_seqs, 512)."""
+    largest = min(2 * max_num_seqs, 512)
+    return tuple(n for n in (1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)) if n <= largest)
+
+
+VLLM_CAPTURE_SIZES = vllm_capture_sizes(256)
+QUANTIZATIONS = (None, "fp8")
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -193,6 +209,11 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
              f"measure.warmup_s={c['measure']['warmup_s']} is negative", "give seconds >= 0")
     _require(c["kv_cache_memory_bytes"] is None or c["kv_cache_memory_bytes"] > 0, "kv_cache_memory_bytes",
              "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
+    _require(c["quantization"] in QUANTIZATIONS, "quantization",
+             f"unknown quantization '{c['quantization']}'", "use fp8 or null (the model's own weights)")
+    sizes = c["cudagraph_capture_sizes"] or list(vllm_capture_sizes(c["max_num_seqs"]))
+    _require(all(isinstance(n, int) and n >= 1 for n in sizes), "cudagraph_capture_sizes",
+             f"cudagraph_capture_sizes={sizes} holds a size below 1", "give batch sizes >= 1, or null for vLLM's")
     return EngineSpec(
         gpu=c["gpu"], seed=c["seed"], tensor_parallel_size=c["tensor_parallel_size"],
         block_size=c["block_size"], max_num_seqs=c["max_num_seqs"],
@@ -207,4 +228,6 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]),
         preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30,
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
-        exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"])
+        exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
+        cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
+        quantization=c["quantization"])

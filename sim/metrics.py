@@ -123,7 +123,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
               gpu: str, profile_source: str, warmup_s: float = 0.0, exclude_drain: bool = False,
               itl_samples=(), num_workload_requests: int | None = None,
               workload_counts: dict | None = None, last_session_arrival_s: float | None = None,
-              max_model_len: int | None = None, workload_facts: dict | None = None) -> dict:
+              max_model_len: int | None = None, workload_facts: dict | None = None,
+              operator_sources: dict | None = None) -> dict:
     done = requests[requests.status == "finished"]
     window = measurement_window(requests, warmup_s, exclude_drain, last_session_arrival_s)
     duration = window.duration_s
@@ -175,7 +176,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                       "mean_batch_size": float(step_batch_sizes.mean()) if len(step_batch_sizes) else 0.0,
                       "num_steps": int(len(step_batch_sizes)),
                       "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
-        "latency_profile": {"gpu": gpu, "source": profile_source},
+        "latency_profile": {"gpu": gpu, "source": profile_source,
+                            **({"operators": operator_sources} if operator_sources else {})},
         **({} if max_model_len is None else {"max_model_len": max_model_len}),
         **({} if workload_facts is None else {"workload": workload_facts}),
     }

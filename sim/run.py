@@ -4,6 +4,7 @@ The only module that knows every other one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -97,6 +98,8 @@ def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     spec = engine_spec(cfg, model.max_position_embeddings)
+    if spec.quantization:  # weights (and so GEMM inputs) in the quantized type
+        model = dataclasses.replace(model, weight_dtype=spec.quantization)
     _check_context_window(model, spec.max_model_len)
     profile = load_profile(spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
@@ -106,7 +109,7 @@ def prepare(cfg: DictConfig) -> Setup:
                         gpu_memory_utilization=spec.gpu_memory_utilization,
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
-    latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype)
+    latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -207,6 +210,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
               "failed_in_trace": workload.num_failed_requests}
     metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
                         gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
+                        operator_sources=setup.latency.profile.provenance(),
                         warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
                         itl_samples=recorder.itl_samples(),
                         num_workload_requests=workload.num_requests, workload_counts=counts,

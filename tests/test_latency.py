@@ -10,8 +10,9 @@ from sim.models import load_model
 
 def bare(profile):
     """A profile with no fixed costs, so memory-bound times scale exactly with bandwidth."""
-    ops = {name: dataclasses.replace(op, t0_s=0.0) for name, op in profile.operators.items()}
-    return dataclasses.replace(profile, step_overhead_s=0.0, operators=ops)
+    ops = {name: dataclasses.replace(op, t0_s=0.0, per_seq_s=0.0) for name, op in profile.operators.items()}
+    return dataclasses.replace(profile, step_overhead_s=0.0, operators=ops, kernel_launch_s=0.0,
+                               graph_launch_s=0.0)
 
 
 def decode(num_seqs, context):
@@ -76,10 +77,10 @@ def test_tensor_parallelism_adds_allreduce_and_splits_gemms():
     assert LatencyModel(llama, profile, 1, "bf16").breakdown(shape).get("allreduce", 0.0) == 0.0
 
 
-def test_empty_step_costs_only_the_overhead():
+def test_empty_step_costs_only_the_cpu_step():
     profile = load_profile("h100")
     model = LatencyModel(load_model("llama3_8b"), profile, 1, "bf16")
-    assert model.step_time(BatchShape()) == profile.step_overhead_s
+    assert model.step_time(BatchShape()) == profile.op("cpu_step").t0_s
 
 
 @settings(max_examples=150, deadline=None)

@@ -134,12 +134,12 @@ class CalibratedGemm:
 
 def calibrated_gemm(profile) -> CalibratedGemm:
     """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""
-    eff = profile.op("gemm")
-    def roof(peak):
-        return Roofline(peak, profile.hbm_bandwidth_bytes_per_s, eff.compute_efficiency,
+    def op(name, peak):
+        eff = profile.op(name)
+        roof = Roofline(peak, profile.hbm_bandwidth_bytes_per_s, eff.compute_efficiency,
                         eff.memory_efficiency, eff.t0_s)
-    table = CorrectionTable.from_json(eff.correction)
-    ops = {"default": CalibratedOp(roof(profile.bf16_flops_per_s), table)}
-    if profile.fp8_flops_per_s:
-        ops["fp8"] = CalibratedOp(roof(profile.fp8_flops_per_s), table)
+        return CalibratedOp(roof, CorrectionTable.from_json(eff.correction))
+    ops = {"default": op("gemm", profile.bf16_flops_per_s)}
+    if profile.fp8_flops_per_s:  # FP8 GEMMs: their own efficiencies (gemm_fp8) on the FP8 peak
+        ops["fp8"] = op("gemm_fp8", profile.fp8_flops_per_s)
     return CalibratedGemm(ops)

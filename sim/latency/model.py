@@ -4,19 +4,28 @@
     memory time  = bytes / (HBM bandwidth * memory efficiency)
 
 per layer, per tensor-parallel rank, for one engine step (one forward pass over every scheduled
-token). Operators: attention projections (QKV + output), MLP (dense or the experts a batch touches),
-LM head over the sampled positions, prefill attention (FLOPs of the causal chunk against its cached
-context), decode attention (KV bytes read), two ring all-reduces per layer, and a fixed overhead.
+token). GPU operators: attention projections (QKV + output), MLP (dense or the experts a batch
+touches), LM head over the sampled positions, prefill attention (FLOPs of the causal chunk against
+its cached context), decode attention (KV bytes read), two ring all-reduces per layer. Then the
+host's share of the step:
+
+    step = GPU time + launch + CPU step (t0 + per sequence, the profile's cpu_step operator)
+    launch = graph replay cost                        decode batch within the CUDA-graph sizes
+           = max(0, kernels x per-kernel launch - GPU time)   otherwise (eager: the host issues
+                                                              kernels while the GPU runs them)
+
+A graph-replayed batch runs padded to the next capture size, as vLLM pads it.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
 
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
-                                   attention_decode_work, attention_prefill_work)
+                                   attention_decode_work, attention_prefill_work, cpu_step_work)
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
 
@@ -52,7 +61,7 @@ class LatencyModel:
     """step_time(shape) for one model on one TP group of one GPU kind; pure and cheap."""
 
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
-                 kv_dtype: str):
+                 kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = ()):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         tp = tensor_parallel_size
         self.weight_bytes_per_param = DTYPE_BYTES[model.weight_dtype]
@@ -88,6 +97,9 @@ class LatencyModel:
         self.prefill_op = self._calibrated("attention_prefill", "attention_prefill", self.attn_peak, self.bw)
         self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
+        self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
+        self.capture_sizes = tuple(cudagraph_capture_sizes)
+        self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
         self._per_token_count: dict[int, tuple[float, float, float]] = {}
         self._lm_head: dict[int, float] = {}
@@ -117,24 +129,33 @@ class LatencyModel:
         nbytes = weights * self.weight_bytes_per_param + 2 * tokens * m.hidden_size * ACTIVATION_BYTES
         return self._op("gemm", flops, nbytes, self.gemm_peak)
 
+    def graph_size(self, shape: BatchShape) -> int:
+        """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
+        if shape.num_prefill_tokens or not self.capture_sizes or shape.num_decode_seqs > self.capture_sizes[-1]:
+            return 0
+        return self.capture_sizes[bisect_left(self.capture_sizes, shape.num_decode_seqs)]
+
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
-        """Seconds per operator for one step; their sum is step_time(shape)."""
+        """Seconds per operator for one step, GPU operators first, then `launch` and `cpu`;
+        their sum (left to right) is step_time(shape)."""
         m, tokens = self.model, shape.num_tokens
+        num_seqs = shape.num_prefill_seqs + shape.num_decode_seqs
         if tokens == 0:
             swap = {"swap": self.swap_time(shape.swap_tokens)} if shape.swap_tokens else {}
-            return {"overhead": self.profile.step_overhead_s, **swap}
-        per_token = self._per_token_count.get(tokens)
+            return {**swap, "launch": 0.0, "cpu": self.cpu_time(num_seqs)}
+        graph = self.graph_size(shape)
+        padded, sampled = (graph, graph) if graph else (tokens, shape.num_sampled)
+        per_token = self._per_token_count.get(padded)
         if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
-            per_token = self._per_token_count[tokens] = self._token_ops(tokens)
-        lm_head = self._lm_head.get(shape.num_sampled)
+            per_token = self._per_token_count[padded] = self._token_ops(padded)
+        lm_head = self._lm_head.get(sampled)
         if lm_head is None:
-            lm_head = self._lm_head[shape.num_sampled] = (
-                self._gemms(shape.num_sampled, [self.lm_head_gemm]) if shape.num_sampled else 0.0)
+            lm_head = self._lm_head[sampled] = (
+                self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
         qkv_o_proj, mlp, allreduce = per_token
         times = {
             "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
-            "overhead": self.profile.step_overhead_s,
         }
         if shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
@@ -142,7 +163,14 @@ class LatencyModel:
             times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
         if shape.swap_tokens:
             times["swap"] = self.swap_time(shape.swap_tokens)
+        gpu = sum(times.values())
+        times["launch"] = self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
+        times["cpu"] = self.cpu_time(num_seqs)
         return times
+
+    def cpu_time(self, num_seqs: int) -> float:
+        """The host's step work (schedule, prepare inputs, sample, process outputs)."""
+        return self.cpu_op.time("step", num_seqs, cpu_step_work)
 
     def _token_ops(self, tokens: int) -> tuple[float, float, float]:
         """(QKV and O projections, MLP, all-reduce) seconds for a step of `tokens` tokens."""
@@ -189,8 +217,8 @@ class LatencyModel:
     def decode_step_times(self, num_seqs: int, decode_context_tokens: np.ndarray) -> np.ndarray:
         """step_time of decode-only steps of num_seqs sequences, one per context total, bit for
         bit: the same operations in the same order as breakdown() and its sum, on arrays."""
-        probe = self.breakdown(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1,
-                                          num_sampled=num_seqs))
+        shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1, num_sampled=num_seqs)
+        probe, graph = self.breakdown(shape), self.graph_size(shape)
         before = 0  # sum() adds left to right from 0; attention_decode comes fifth
         for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
             before = before + probe[name]
@@ -206,4 +234,24 @@ class LatencyModel:
         if op.table is not None:
             fitted = fitted * np.array([op.factor(self.attention_class, size) for size in context.tolist()])
         attention = self.model.num_layers * np.maximum(fitted, floor)
-        return before + attention + probe["allreduce"] + probe["overhead"]
+        gpu = before + attention + probe["allreduce"]
+        launch = self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
+        return gpu + launch + probe["cpu"]
+
+
+# Kernels one eager forward pass launches, as vLLM's model code runs them (my reading of
+# vllm/model_executor/models/llama.py and deepseek_v2.py): per layer, attention block: norm, QKV
+# GEMM, rotary, KV cache write, attention, output GEMM (MLA: 10 with its down/up projections and
+# their norms); dense MLP: fused add+norm, gate/up GEMM, SiLU-and-mul, down GEMM; MoE: about 15
+# (router GEMM, top-k, align/permute, two grouped GEMMs, activation, sum, shared experts); plus
+# an all-reduce after each block under TP, and per step embedding, final norm, LM head, sampler.
+ATTENTION_BLOCK_KERNELS, MLA_BLOCK_KERNELS = 6, 10
+DENSE_MLP_KERNELS, MOE_KERNELS, STEP_KERNELS = 4, 15, 6
+
+
+def eager_kernels(model: ModelSpec, tp: int) -> int:
+    attention = MLA_BLOCK_KERNELS if model.is_mla else ATTENTION_BLOCK_KERNELS
+    dense = model.num_layers - model.num_moe_layers
+    per_layer_all_reduce = 2 if tp > 1 else 0
+    return (STEP_KERNELS + model.num_layers * (attention + per_layer_all_reduce)
+            + dense * DENSE_MLP_KERNELS + model.num_moe_layers * MOE_KERNELS)

@@ -11,7 +11,9 @@ computes each query head's scores and weighted values over it; a prefill chunk o
 after c cached ones attends to q * c context pairs and q (q + 1) / 2 causal pairs, the latter
 with their own efficiency (FlashAttention's diagonal tiles and the few thread blocks of a short
 chunk: on Vidur's A100 timings a causal pair costs about 3.5x a context pair). A ring all-reduce
-moves 2 (n - 1) / n of the message per GPU over one direction of its link.
+moves 2 (n - 1) / n of the message per GPU over one direction of its link. The CPU's share of an
+engine step (schedule, prepare inputs, sample, process outputs) has no FLOPs or bytes: it is
+t0 + per_seq_s * sequences in the batch.
 
 `CATALOGUE` gives each operator's shape columns (as predict reads them; head counts per GPU),
 its correction axis, its shape class and the split its extrapolation is judged on.
@@ -54,6 +56,11 @@ def attention_prefill_work(num_chunks: float, context_pairs: float, causal_pairs
 
 def all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
     return 0.0, 2.0 * (num_gpus - 1) / num_gpus * message_bytes
+
+
+def cpu_step_work(num_seqs: float) -> Work:
+    """The host's work for one engine step of num_seqs sequences."""
+    return 0.0, 0.0, num_seqs, 0.0
 
 
 def kv_bytes_per_token(num_kv_heads: float, head_dim: float, dtype: str) -> float:
@@ -103,8 +110,10 @@ class Operator:
     extrapolation_split: tuple[float, float]      # train <= first, test >= second
     extrapolation_axis: str                       # what that axis is, for the fit report
     peak: str = "compute"                         # or "none": moves bytes only
-    bandwidth: str = "hbm"                        # "hbm", "link" (one direction) or "host"
+    bandwidth: str = "hbm"                        # "hbm", "link" (one direction), "host" or "none"
     monotone: bool = True                         # a class fixes the work as a function of the size
+    table: bool = True                            # fit a correction table per class (else the
+                                                  # physical form alone, which extrapolates)
 
 
 CATALOGUE = {
@@ -115,15 +124,18 @@ CATALOGUE = {
     "attention_decode": Operator(
         ("batch_size", "context_len", "num_q_heads", "num_kv_heads", "head_dim", "dtype"),
         lambda r: float(_i(r, "batch_size") * _i(r, "context_len")), _attention_class, _decode,
-        lambda r: float(r["context_len"]), (1024, 1025), "context_len", monotone=False),
+        lambda r: float(r["context_len"]), (1024, 1025), "context_len", monotone=False, table=False),
     "attention_prefill": Operator(
         ("chunk_len", "context_len", "num_q_heads", "num_kv_heads", "head_dim", "dtype"),
         lambda r: float(r["chunk_len"]), _attention_class, _prefill,
         lambda r: float(_i(r, "chunk_len") + _i(r, "context_len")), (1024, 1025), "chunk_len + context_len",
-        monotone=False),
+        monotone=False, table=False),
     "all_reduce": Operator(("bytes", "num_gpus"), lambda r: float(r["bytes"]),
                            lambda r: f"{int(r['num_gpus'])}gpus",
                            lambda r, b: all_reduce_work(b, _i(r, "num_gpus")),
                            lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
                            peak="none", bandwidth="link"),
+    "cpu_step": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
+                         lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
+                         "batch_size", peak="none", bandwidth="none", table=False),
 }

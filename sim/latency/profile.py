@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sim.errors import ConfigError, UnknownNameError
 
-OPERATORS = ("gemm", "attention_prefill", "attention_decode", "allreduce")
+OPERATORS = ("gemm", "attention_prefill", "attention_decode", "allreduce", "cpu_step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +39,15 @@ class GpuProfile:
     link_bandwidth_bytes_per_s: float
     host_link_bytes_per_s: float
     host_link_latency_s: float
-    step_overhead_s: float
+    step_overhead_s: float        # read only where a profile has no cpu_step operator
     operators: dict
+    kernel_launch_s: float = 0.0  # host time to launch one kernel (eager steps)
+    graph_launch_s: float = 0.0   # host time to replay one captured CUDA graph
+    launch_source: str = "prior:none (a profile without launch costs: launches are free)"
+
+    def provenance(self) -> dict[str, str]:
+        """Where each operator's parameters come from: measured, imported:<source> or prior:<how>."""
+        return {**{name: op.source for name, op in self.operators.items()}, "launch": self.launch_source}
 
     def op(self, name: str) -> OperatorEfficiency:
         return self.operators[name]
@@ -85,10 +92,26 @@ def load_profile(name: str) -> GpuProfile:
                           f"rerun 'python -m calibration fit' or restore the file") from None
 
 
+def _without_cpu_step(data: dict) -> dict:
+    """A profile written before the CPU's step cost was an operator: its fixed step overhead."""
+    return {"t0_s": data["step_overhead_s"], "per_seq_s": 0.0,
+            "source": "prior:the profile's fixed step_overhead_s (no cpu_step operator)"}
+
+
+def _without_gemm_fp8(data: dict) -> dict:
+    """FP8 GEMMs without a figure of their own: the 16-bit GEMM's efficiencies, against the FP8 peak."""
+    gemm = data["operators"]["gemm"]
+    return {**gemm, "source": "prior:the 16-bit GEMM's efficiencies and correction (no FP8 GEMM figure "
+                              "for this GPU)"}
+
+
+FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8}
+
+
 def profile_from_dict(data: dict) -> GpuProfile:
     ops = {}
-    for op in OPERATORS:
-        raw = data["operators"][op]
+    for op in OPERATORS + ("gemm_fp8",):
+        raw = data["operators"][op] if op in data["operators"] else FALLBACKS[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
             memory_efficiency=float(raw.get("memory_efficiency", raw.get("link_efficiency", 1.0))),
@@ -109,4 +132,7 @@ def profile_from_dict(data: dict) -> GpuProfile:
         host_link_latency_s=float(data.get("host_link_latency_s", 0.0)),
         step_overhead_s=float(data["step_overhead_s"]),
         operators=ops,
+        kernel_launch_s=float(data.get("kernel_launch_s", 0.0)),
+        graph_launch_s=float(data.get("graph_launch_s", 0.0)),
+        **({"launch_source": str(data["launch_source"])} if "launch_source" in data else {}),
     )

@@ -1,0 +1,154 @@
+"""Datasheet profiles' priors: each GPU's figures from its own datasheet (REFERENCE.md section 3)
+and from cited public measurements of that GPU; where none was found the prior says so.
+
+    python -m calibration.priors      rewrites calibration/profiles/<gpu>.json for every GPU below
+                                      (operators fitted on imported or measured data are kept)
+
+Sources (read 2026-12-01; the quotes are in docs/validation.md):
+- MAMF: stas00/ml-engineering, compute/accelerator/README.md, "maximum achievable matmul FLOPS"
+  (mamf-finder.py, best shape, mean of 100 iterations): A100 SXM 271.2 of 312 bf16 TFLOP/s;
+  H100 SXM 794.5 of 989 bf16 and 1402.6 of 1979 fp8 ("H200 is the same" for bf16); H200 fp8
+  1453.4 of 1979; B200 1745.0 of 2250 bf16 and 3432.5 of 4500 fp8.
+- AMD ROCm blog "Measuring max-achievable FLOPs, part 2" (2025-02-28): MI300X 708 bf16 and
+  1273 fp8 TFLOP/s (hipblaslt-bench).
+- vLLM PR #49363: H100 bf16 GEMM, N=12288 K=5376, M=1 at 2.870 TFLOP/s, i.e. 132 MB of weights in
+  46 us = 2.87 of 3.35 TB/s.
+- REFERENCE.md section 3: H200 device copy 4.3 of 4.8 TB/s (measured with PyTorch).
+- nccl-tests issue #149 and #175 (DGX A100, 8 GPUs): all-reduce busbw 230-232.5 GB/s of 300 per
+  direction; nccl-tests issue #212 and NCCL issue #2140 (8x H100): 370 GB/s ring busbw of the
+  450 GB/s line rate (480 with NVLS); stas00 all-reduce-8xH200.md: 367.6 GB/s ring, 482 NVLS;
+  NCCL issue #2140: 8x B300 695 GB/s without NVLS (NVLink 5, 900 GB/s per direction); NCCL issue
+  #1639: 8x RTX 5090 on PCIe, busbw 28 GB/s of 32 per direction (no L40S figure was found).
+- NCCL src/graph/tuning.cc: ring LL latency 6.6 us base + 0.6 us per NVLink step (2 (n - 1) steps):
+  15 us for 8 GPUs; PCIe 1.0 us per step.
+- tritonbench PR #1017 (GB200): cuLaunchKernel 3.0 us, Triton's launcher 4.7 us per kernel; ocannl
+  issue #488: a CUDA-graph replay costs about 15 us fixed.
+- Vidur's cpu_overheads.csv (microsoft/vidur e2d00e9, Sarathi-Serve on an A100 host, CodeLlama-34B
+  TP 2): fitted 0.868 ms + 36.2 us per sequence per step (calibration/reports/a100_80g).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+KERNEL_LAUNCH_S, GRAPH_LAUNCH_S = 4.7e-6, 15e-6
+LAUNCH_SOURCE = ("prior:tritonbench PR #1017 (Triton launcher 4.7 us per kernel) and ocannl issue "
+                 "#488 (a CUDA-graph replay about 15 us)")
+CPU_STEP = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.868e-3, "per_seq_s": 36.2e-6,
+            "source": "prior:Vidur's Sarathi-Serve cpu_overheads on an A100 host (CodeLlama-34B TP 2), "
+                      "0.868 ms + 36.2 us per sequence; this GPU's host not measured"}
+ATTENTION_T0_S = 4e-6
+NCCL_RING_LL_BASE_S, NCCL_STEP_S = 6.6e-6, {"nvlink": 0.6e-6, "pcie": 1.0e-6}
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Priors:
+    gemm: Figure             # 16-bit GEMM compute efficiency
+    gemm_fp8: Figure | None  # FP8 GEMM compute efficiency (None: no FP8 units)
+    memory: Figure           # share of HBM bandwidth a streaming kernel reaches
+    link: Figure             # all-reduce bus bandwidth over the per-direction link bandwidth
+    fabric: str              # nvlink or pcie (NCCL's per-step latency)
+
+
+def _mamf(tflops: float, peak: float, what: str) -> Figure:
+    return Figure(round(tflops / peak, 4), f"prior:stas00 MAMF {what} {tflops} of {peak:g} TFLOP/s")
+
+
+H100_GEMM, H100_FP8 = _mamf(794.5, 989, "H100 SXM bf16"), _mamf(1402.6, 1979, "H100 SXM fp8")
+A100_GEMM = _mamf(271.2, 312, "A100 SXM bf16")
+NO_MEMORY_FIGURE = "no public streaming-bandwidth figure found for this GPU; the H200's measured share"
+PRIORS = {
+    "a100_80g": Priors(A100_GEMM, None, Figure(0.78, "prior:the A100 GEMM fit's memory efficiency"),
+                       Figure(0.767, "prior:nccl-tests #149/#175 DGX A100 busbw 230 of 300 GB/s"), "nvlink"),
+    "a100_40g": Priors(A100_GEMM, None, Figure(0.78, "prior:the A100 GEMM fit's memory efficiency (same chip)"),
+                       Figure(0.767, "prior:nccl-tests #149/#175 DGX A100 busbw 230 of 300 GB/s"), "nvlink"),
+    "h100": Priors(H100_GEMM, H100_FP8, Figure(0.857, "prior:vLLM PR #49363 H100 bf16 GEMV 2.87 of 3.35 TB/s"),
+                   Figure(0.822, "prior:nccl-tests #212 / NCCL #2140 8x H100 ring busbw 370 of 450 GB/s"), "nvlink"),
+    "h200": Priors(Figure(H100_GEMM.value, H100_GEMM.source + " (stas00: H200 is the same)"),
+                   _mamf(1453.4, 1979, "H200 SXM fp8"),
+                   Figure(0.896, "prior:REFERENCE.md section 3 H200 device copy 4.3 of 4.8 TB/s"),
+                   Figure(0.817, "prior:stas00 all-reduce-8xH200 ring busbw 367.6 of 450 GB/s"), "nvlink"),
+    "b200": Priors(_mamf(1745.0, 2250, "B200 SXM bf16"), _mamf(3432.5, 4500, "B200 SXM fp8"),
+                   Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
+                   Figure(0.772, "prior:NCCL #2140 8x B300 (NVLink 5) busbw 695 of 900 GB/s without NVLS; "
+                                 "no B200 ring figure found"), "nvlink"),
+    "l40s": Priors(Figure(H100_GEMM.value, "prior:no public L40S matmul figure found; the H100's MAMF share"),
+                   Figure(H100_FP8.value, "prior:no public L40S fp8 matmul figure found; the H100's MAMF share"),
+                   Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
+                   Figure(0.875, "prior:NCCL #1639 8x RTX 5090 on PCIe busbw 28 of 32 GB/s; no L40S figure found"),
+                   "pcie"),
+    "mi300x": Priors(Figure(round(708 / 1307, 4), "prior:AMD ROCm blog MAF MI300X bf16 708 of 1307 TFLOP/s"),
+                     Figure(round(1273 / 2615, 4), "prior:AMD ROCm blog MAF MI300X fp8 1273 of 2615 TFLOP/s"),
+                     Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
+                     Figure(0.7, "prior:no public single-node RCCL figure found; 0.7 assumed"), "nvlink"),
+}
+GEMM_T0 = Figure(4e-6, "prior:4 us kernel fixed cost (no per-GPU figure)")
+
+
+def _kept(op: dict | None) -> bool:
+    """Operators fitted on data (imported or measured) are not replaced by priors."""
+    return bool(op) and str(op.get("source", "")).startswith(("imported", "measured"))
+
+
+def with_priors(profile: dict) -> dict:
+    """The profile with every operator not fitted on data set from its GPU's priors."""
+    priors = PRIORS[profile["name"]]
+    ops = dict(profile["operators"])
+    gemm = {"compute_efficiency": priors.gemm.value, "memory_efficiency": priors.memory.value,
+            "t0_s": GEMM_T0.value, "source": f"{priors.gemm.source}; {priors.memory.source}; {GEMM_T0.source}"}
+    attention = {"compute_efficiency": 0.5, "memory_efficiency": priors.memory.value, "t0_s": ATTENTION_T0_S,
+                 "source": f"prior:compute 0.5 assumed (no attention timings of this GPU); {priors.memory.source}"}
+    steps = 2 * (8 - 1)  # the per-call latency of an 8-GPU ring (NCCL's LL protocol)
+    allreduce = {"link_efficiency": priors.link.value,
+                 "t0_s": round(NCCL_RING_LL_BASE_S + steps * NCCL_STEP_S[priors.fabric], 9),
+                 "source": f"{priors.link.source}; NCCL tuning.cc ring LL latency for 8 GPUs"}
+    replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
+                    "allreduce": allreduce, "cpu_step": CPU_STEP}
+    if priors.gemm_fp8:
+        replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
+                                    "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}
+    for name, values in replacements.items():
+        if not _kept(ops.get(name)):
+            ops[name] = dict(values)
+    if _kept(ops.get("gemm")) and "gemm_fp8" in ops and not _kept(ops["gemm_fp8"]) and not priors.gemm_fp8:
+        del ops["gemm_fp8"]
+    source = "imported" if any(_kept(op) for op in ops.values()) else "datasheet"
+    notes = ("Figures from this GPU's datasheet (REFERENCE.md section 3) and cited public measurements "
+             "of it (calibration/priors.py); each operator's source says which, fitted ones first.")
+    return {**profile, "source": source, "operators": ops, "kernel_launch_s": KERNEL_LAUNCH_S,
+            "graph_launch_s": GRAPH_LAUNCH_S, "launch_source": LAUNCH_SOURCE, "notes": notes}
+
+
+SAME_CHIP = {"a100_40g": "a100_80g"}  # fitted operators measured on the other memory variant
+
+
+def same_chip(profile: dict, sibling: dict) -> dict:
+    """Fitted operators of the same chip's other variant, said so (bandwidth stays this GPU's)."""
+    ops = dict(profile["operators"])
+    for name, op in sibling["operators"].items():
+        if _kept(op) and name != "cpu_step":
+            ops[name] = {**op, "source": f"{op['source']} on the {sibling['gpu_name']} (same chip)"}
+    return {**profile, "operators": ops}
+
+
+def main() -> None:
+    folder = Path(str(resources.files("calibration") / "profiles"))
+    for name in PRIORS:
+        path = folder / f"{name}.json"
+        profile = json.loads(path.read_text())
+        if name in SAME_CHIP:
+            profile = same_chip(profile, json.loads((folder / f"{SAME_CHIP[name]}.json").read_text()))
+        path.write_text(json.dumps(with_priors(profile), indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

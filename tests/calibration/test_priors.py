@@ -1,0 +1,53 @@
+"""Every packaged profile says where each operator's figures come from, and the priors are the
+ones calibration/priors.py derives (the files cannot drift from the cited figures)."""
+import json
+from importlib import resources
+
+import pytest
+
+from calibration.priors import PRIORS, SAME_CHIP, same_chip, with_priors
+from sim.latency import load_profile
+
+PROFILES = resources.files("calibration") / "profiles"
+
+
+def packaged(name):
+    return json.loads((PROFILES / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(PRIORS))
+def test_packaged_profiles_are_what_the_cited_priors_give(name):
+    profile = packaged(name)
+    if name in SAME_CHIP:
+        profile = same_chip(profile, packaged(SAME_CHIP[name]))
+    assert with_priors(profile) == packaged(name)
+
+
+@pytest.mark.parametrize("name", sorted(PRIORS))
+def test_every_operator_has_a_provenance_and_non_a100_priors_are_not_the_a100_fit(name):
+    provenance = load_profile(name).provenance()
+    assert set(provenance) >= {"gemm", "attention_decode", "attention_prefill", "allreduce", "cpu_step", "launch"}
+    for op, source in provenance.items():
+        assert source == "measured" or source.startswith(("imported:", "prior:")), (op, source)
+    if not name.startswith("a100"):
+        assert "A100" not in provenance["gemm"] and "a100" not in provenance["gemm"]
+
+
+def test_fp8_gemms_have_their_own_efficiency_where_the_gpu_was_measured_in_fp8():
+    h100 = load_profile("h100")
+    assert h100.op("gemm_fp8").compute_efficiency < h100.op("gemm").compute_efficiency
+    assert "fp8" in h100.op("gemm_fp8").source
+    assert load_profile("a100_80g").fp8_flops_per_s is None  # no FP8 units: fp8 GEMMs run at bf16 peak
+
+
+def test_run_output_and_metrics_show_each_operators_provenance(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "sim", "run", "scenario=bench", "model=llama31_8b", "gpu=h100",
+                          "tensor_parallel_size=1", "scenario.num_prompts=4", "plots=false",
+                          f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("step times:"))
+    assert "gemm prior:stas00 MAMF H100" in line and "cpu_step prior:" in line and "launch prior:" in line
+    metrics = json.loads((tmp_path / "run" / "paged" / "metrics.json").read_text())
+    assert metrics["latency_profile"]["operators"] == load_profile("h100").provenance()

@@ -1,0 +1,106 @@
+"""The host's share of a step: CUDA-graph replay versus eager launches, and the CPU step cost."""
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from calibration.fit import fit_op, prepare
+from calibration.vidur import import_cpu_overheads
+from sim.config import VLLM_CAPTURE_SIZES
+from sim.latency import BatchShape, LatencyModel, load_profile
+from sim.latency.model import eager_kernels
+from sim.models import load_model
+
+from tests.calibration.test_catalogue import DATA
+
+
+def with_launch(profile, kernel_launch_s, graph_launch_s=20e-6):
+    return dataclasses.replace(profile, kernel_launch_s=kernel_launch_s, graph_launch_s=graph_launch_s)
+
+
+def decode(n, context=1000):
+    return BatchShape(num_decode_seqs=n, decode_context_tokens=n * context, num_sampled=n)
+
+
+def models(profile, model="llama31_8b", tp=1):
+    spec = load_model(model)
+    return (LatencyModel(spec, profile, tp, "bf16", VLLM_CAPTURE_SIZES),
+            LatencyModel(spec, profile, tp, "bf16", ()))
+
+
+def gpu_part(times):
+    return sum(v for k, v in times.items() if k not in ("launch", "cpu"))
+
+
+def test_graph_replay_pays_one_launch_and_eager_pays_what_the_gpu_does_not_hide():
+    profile = with_launch(load_profile("h100"), kernel_launch_s=10e-6)
+    graph, eager = models(profile)
+    shape = decode(1)
+    g, e = graph.breakdown(shape), eager.breakdown(shape)
+    assert g["launch"] == profile.graph_launch_s
+    kernels = eager_kernels(load_model("llama31_8b"), 1)
+    assert kernels == 6 + 32 * (6 + 4)  # per step, then attention and MLP blocks per layer
+    assert e["launch"] == pytest.approx(max(0.0, kernels * 10e-6 - gpu_part(e)))
+    # Slow launches: the host is the bottleneck of an eager step, which takes the launches' time.
+    slow = with_launch(profile, kernel_launch_s=40e-6)
+    slow_graph, slow_eager = models(slow)
+    assert slow_eager.step_time(shape) == pytest.approx(kernels * 40e-6 + e["cpu"], rel=1e-12)
+    assert slow_graph.step_time(shape) == pytest.approx(graph.step_time(shape), rel=1e-12)
+
+
+def test_a_graph_batch_runs_padded_to_its_capture_size_and_large_or_prefill_batches_run_eagerly():
+    graph, eager = models(load_profile("h100"))
+    three, four = graph.breakdown(decode(3)), graph.breakdown(decode(4))
+    assert three["qkv_o_proj"] == four["qkv_o_proj"] and three["mlp"] == four["mlp"]
+    assert eager.breakdown(decode(3))["mlp"] < eager.breakdown(decode(4))["mlp"]
+    assert graph.graph_size(decode(3)) == 4 and graph.graph_size(decode(513)) == 0
+    assert graph.graph_size(decode(512)) == 512 and graph.graph_size(decode(9)) == 16
+    assert graph.graph_size(decode(257)) == 272  # by 16 from 256
+    prefill = BatchShape(num_prefill_tokens=100, num_prefill_seqs=1, prefill_causal_pairs=5050,
+                         prefill_kv_tokens=100, num_sampled=1)
+    assert graph.graph_size(prefill) == 0
+    assert graph.breakdown(prefill) == eager.breakdown(prefill)
+
+
+@pytest.mark.parametrize("kernel_launch_s", [0.0, 5e-6, 60e-6])
+@pytest.mark.parametrize("num_seqs", [3, 200, 600])
+def test_decode_stretch_times_equal_the_step_loop_in_graph_and_eager_regimes(kernel_launch_s, num_seqs):
+    profile = with_launch(load_profile("a100_80g"), kernel_launch_s)
+    for latency in models(profile, "llama2_70b", 4):
+        contexts = np.arange(num_seqs * 300, num_seqs * 300 + num_seqs * 50, num_seqs)
+        stepped = [latency.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
+                                                num_sampled=num_seqs)) for c in contexts]
+        assert latency.decode_step_times(num_seqs, contexts).tolist() == stepped
+
+
+def test_the_cpu_step_grows_with_the_batch_by_its_per_sequence_cost():
+    profile = load_profile("a100_80g")
+    cpu = profile.op("cpu_step")
+    assert cpu.per_seq_s > 0
+    graph, _ = models(profile)
+    assert graph.breakdown(decode(128))["cpu"] - graph.breakdown(decode(8))["cpu"] == pytest.approx(
+        120 * cpu.per_seq_s, rel=1e-9)
+
+
+def test_cpu_step_fit_recovers_known_parameters():
+    batch = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256])
+    frame = pd.DataFrame({"op": "cpu_step", "batch_size": batch, "time_s": 0.9e-3 + 35e-6 * batch})
+    rows = prepare(frame, "cpu_step", {"bf16_flops_per_s": 1e15, "hbm_bandwidth_bytes_per_s": 1e12})
+    params = fit_op(rows, {"operators": {"gemm": {"compute_efficiency": 0.7, "memory_efficiency": 0.8,
+                                                  "t0_s": 0.0}}}, "cpu_step")
+    assert params["t0_s"] == pytest.approx(0.9e-3, rel=1e-6)
+    assert params["per_seq_s"] == pytest.approx(35e-6, rel=1e-6)
+    assert "correction" not in params  # a straight line extrapolates; a table would hold its edges
+
+
+def test_vidur_cpu_overheads_become_cpu_step_rows_summing_the_four_host_parts():
+    path = DATA / "vidur_a100_2024_sample" / "cpu_overheads.csv"
+    raw = pd.read_csv(path)
+    rows = import_cpu_overheads(path, "a100")
+    assert len(rows) == len(raw) and {r["op"] for r in rows} == {"cpu_step"}
+    first = raw.iloc[0]
+    parts = sum(first[f"{p}_median"] for p in ("schedule", "prepare_inputs_e2e", "sampler_e2e",
+                                               "process_model_outputs"))
+    assert rows[0]["time_s"] == pytest.approx(parts / 1e3)
+    assert rows[0]["batch_size"] == first["batch_size"]
