@@ -1,4 +1,4 @@
-"""`python -m sim <command> [key=value ...]`: run | kv | trace-stats | report.
+"""`python -m sim <command> [key=value ...]`: run | kv | trace-stats | report | validate.
 
 The subcommand word is removed from sys.argv before Hydra sees it (Hydra would read `run` as a
 malformed override), the overrides are validated, then that subcommand's Hydra app runs.
@@ -29,10 +29,13 @@ def _commands():
                                {"scenario": "scenario=NAME"}, (("run", "trace."),)),
         "report": Command("report", lambda: commands.report_task,
                           "Redraw a run's (or a sweep's) plots and summary CSVs: run_dir=DIR.", {}),
+        "validate": Command("validate", lambda: commands.validate_task,
+                            "Simulate every published engine result of validation/published.csv; "
+                            "kvsim / published per row, table and plot.", {}),
     }
 
 
-USAGE = "usage: python -m sim {run|kv|trace-stats|report} [key=value ...] [-m] [--cfg job]"
+USAGE = "usage: python -m sim {run|kv|trace-stats|report|validate} [key=value ...] [-m] [--cfg job]"
 
 
 def select_trace_scenario(argv: list[str]) -> list[str]:

@@ -144,6 +144,53 @@ def kv_task(cfg: DictConfig) -> None:
               f"{stored / GiB:.2f} GiB")
 
 
+def validate_task(cfg: DictConfig) -> None:
+    """Simulate published engine results (validation/published.csv); write the comparison."""
+    import tempfile
+    import time
+
+    from hydra import compose
+
+    from sim import validation
+    from sim.models import load_model
+    from sim.run import run_all
+
+    frame = validation.read_published(Path(cfg.path) if cfg.path else validation.DEFAULT_PATH)
+    if cfg.rows:
+        unknown = sorted(set(cfg.rows) - set(frame.id))
+        if unknown:
+            raise ConfigError(f"unknown row id(s) {', '.join(unknown)}, key rows, use ids of the published file "
+                              f"(R001 ... {frame.id.iloc[-1]})")
+        frame = frame[frame.id.isin(list(cfg.rows))]
+    elif cfg.quick:
+        frame = frame[frame.id.isin(validation.QUICK_ROWS)]
+
+    def simulate(overrides):
+        started = time.perf_counter()
+        metrics = run_all(compose(config_name="run", overrides=overrides))[0].metrics
+        print(f"  {' '.join(o for o in overrides if not o.startswith(('plots', 'quiet', 'progress')))}: "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        return metrics
+
+    table = validation.run_rows(frame, simulate, lambda name: load_model(name).max_position_embeddings or 0,
+                                validation.QUICK_MAX_PROMPTS if cfg.quick else None)
+    summary = validation.summarize(table)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".partial-") as staging:
+        staged = Path(staging)
+        table.to_csv(staged / "validation.csv", index=False)
+        (staged / "validation.md").write_text(validation.markdown(table, summary))
+        validation.plot(table, summary, staged / "validation.png")
+        for name in ("validation.csv", "validation.md", "validation.png"):
+            os.replace(staged / name, out_dir / name)
+    shown = table[["id", "engine", "gpu", "model", "metric", "published", "kvsim", "ratio", "status"]]
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    for line in summary.lines():
+        print(line)
+    print(f"results: {out_dir}/validation.csv, validation.md, validation.png")
+
+
 def report_task(cfg: DictConfig) -> None:
     """Redraw plots and write the memory breakdown CSV of a finished run."""
     from sim.report import report

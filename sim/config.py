@@ -102,6 +102,14 @@ class KvConfig:
 
 
 @dataclass
+class ValidateConfig:
+    path: Optional[str] = None
+    out_dir: str = "results/validation"
+    rows: Optional[List[str]] = None
+    quick: bool = False
+
+
+@dataclass
 class ReportConfig:
     run_dir: str = MISSING
 
@@ -120,6 +128,7 @@ def register_schemas() -> None:
     store.store(name="run_schema", node=RunConfig)
     store.store(name="kv_schema", node=KvConfig)
     store.store(name="report_schema", node=ReportConfig)
+    store.store(name="validate_schema", node=ValidateConfig)
     store.store(name="trace_stats_schema", node=TraceStatsConfig)
 
 

@@ -1,0 +1,186 @@
+"""`python -m sim validate`: every row of validation/published.csv (a published result of a real
+engine) simulated as that benchmark ran, and kvsim / published per row.
+
+A row is run as `scenario=bench` (fixed lengths) or `scenario=sharegpt` with the row's model,
+GPU profile, precision, parallelism, engine limits and load; its metric is read from the run's
+vllm_bench block. Rows kvsim cannot run (a feature it does not model) are kept with their reason
+and count as misses; the rows check the model and never train it (no factor is fitted to them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sim.errors import ConfigError
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "validation" / "published.csv"
+WITHIN = 0.20  # a row within 20% of the published value counts as a hit
+QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
+QUICK_MAX_PROMPTS = 16
+COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
+           "pipeline_parallel_size", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
+           "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
+           "not_run_reason", "caveat", "source_url")
+# metric -> (vllm_bench key, divide by the GPU count)
+METRICS = {"output_throughput": ("output_throughput", False),
+           "output_throughput_per_gpu": ("output_throughput", True),
+           "total_throughput": ("total_token_throughput", False),
+           "request_throughput": ("request_throughput", False),
+           "ttft_mean": ("mean_ttft_ms", False), "ttft_median": ("median_ttft_ms", False),
+           "tpot_mean": ("mean_tpot_ms", False), "tpot_median": ("median_tpot_ms", False),
+           "itl_median": ("median_itl_ms", False), "e2e_mean": ("mean_e2el_ms", False),
+           "e2e_median": ("median_e2el_ms", False)}
+
+
+def read_published(path: Path) -> pd.DataFrame:
+    """The rows, or one line saying what is wrong with the file."""
+    if not path.is_file():
+        raise ConfigError(f"no such file '{path}', key path, give validation/published.csv or a file like it")
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"unreadable CSV ({str(exc).splitlines()[0]}), {path}, fix the file") from None
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        raise ConfigError(f"missing column(s) {', '.join(missing)}, {path}:1, keep the published.csv header")
+    for line, row in enumerate(frame.to_dict("records"), start=2):
+        if row["run"] == "yes" and row["metric"] not in METRICS:
+            raise ConfigError(f"unknown metric '{row['metric']}', {path}:{line}, use one of: {', '.join(METRICS)}")
+    return frame
+
+
+def _optional(value: str) -> str:
+    return value if value else "null"
+
+
+def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> list[str]:
+    """The `python -m sim run` keys that replay the row's benchmark."""
+    prompts = int(row["num_prompts"])
+    if max_prompts:
+        prompts = min(prompts, max_prompts)
+    keys = [f"model={row['model']}", f"gpu={row['gpu']}", f"tensor_parallel_size={row['tensor_parallel_size']}",
+            f"quantization={_optional(row['quantization'])}", f"kv_cache_dtype={row['kv_cache_dtype']}",
+            f"max_num_seqs={row['max_num_seqs']}", f"gpu_memory_utilization={row['gpu_memory_utilization']}",
+            "allocators=[paged]", "cluster.num_replicas=1", "plots=false", "quiet=true", "progress=false"]
+    if row["pipeline_parallel_size"] not in ("", "1"):
+        keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
+    if row["dataset"] == "sharegpt":
+        return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
+                "scenario.arrival_rate_rps=1e9", "max_model_len=null"]
+    total = int(row["input_len"]) + int(row["output_len"])
+    return ["scenario=bench", *keys, f"scenario.input_len={row['input_len']}",
+            f"scenario.output_len={row['output_len']}", f"scenario.num_prompts={prompts}",
+            f"scenario.max_concurrency={_optional(row['max_concurrency'])}",
+            f"scenario.request_rate={row['request_rate'] or 'inf'}",
+            f"max_model_len={total if total > native_window else 'null'}"]
+
+
+def metric_value(metrics: dict, row: dict) -> float:
+    key, per_gpu = METRICS[row["metric"]]
+    value = float(metrics["vllm_bench"][key])
+    if per_gpu:
+        value /= int(row["tensor_parallel_size"]) * int(row["pipeline_parallel_size"] or 1)
+    return value
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_rows: int
+    num_run: int
+    num_within: int
+    median_abs_error: float
+    worst: str
+
+    def lines(self) -> list[str]:
+        return [f"rows: {self.num_rows} published results, {self.num_run} run, "
+                f"{self.num_within} within {WITHIN:.0%} ({self.num_within / self.num_rows:.0%} of all rows; "
+                f"target 90%)",
+                f"median absolute error of the rows run: {self.median_abs_error:.1%} (target 10%)",
+                f"worst: {self.worst}"]
+
+
+def summarize(table: pd.DataFrame) -> Summary:
+    ran = table[table.status != "not run"]
+    errors = ran.error.abs()
+    worst = ran.loc[errors.idxmax()] if len(ran) else None
+    return Summary(len(table), len(ran), int((errors <= WITHIN).sum()),
+                   float(errors.median()) if len(ran) else math.nan,
+                   f"{worst.id} {worst.metric} kvsim/published {worst.ratio:.2f}" if worst is not None else "none")
+
+
+def status(row: dict, error: float | None) -> tuple[str, str]:
+    """(status, explanation) of one row: not run, within, or a miss with the row's caveats."""
+    if error is None:
+        return "not run", row["not_run_reason"]
+    if abs(error) <= WITHIN:
+        return "within", row["caveat"]
+    return "miss", row["caveat"] or "unexplained (see docs/validation.md)"
+
+
+def run_rows(frame: pd.DataFrame, simulate, native_window, max_prompts: int | None) -> pd.DataFrame:
+    """simulate(overrides) -> metrics.json dict; one output row per published row."""
+    out = []
+    for row in frame.to_dict("records"):
+        kvsim, error = None, None
+        if row["run"] == "yes":
+            metrics = simulate(overrides(row, native_window(row["model"]), max_prompts))
+            kvsim = metric_value(metrics, row)
+            error = kvsim / float(row["value"]) - 1
+        state, why = status(row, error)
+        out.append({"id": row["id"], "engine": row["engine"], "gpu": row["gpu"], "model": row["model"],
+                    "tp": row["tensor_parallel_size"], "lengths": _lengths(row), "load": _load(row),
+                    "metric": row["metric"], "unit": row["unit"], "published": float(row["value"]),
+                    "kvsim": kvsim if kvsim is not None else math.nan,
+                    "ratio": kvsim / float(row["value"]) if kvsim is not None else math.nan,
+                    "error": error if error is not None else math.nan, "status": state, "explanation": why,
+                    "source_url": row["source_url"]})
+    return pd.DataFrame(out)
+
+
+def _lengths(row: dict) -> str:
+    return "sharegpt" if row["dataset"] == "sharegpt" else f"{row['input_len']}/{row['output_len']}"
+
+
+def _load(row: dict) -> str:
+    if row["max_concurrency"]:
+        return f"conc {row['max_concurrency']}"
+    rate = row["request_rate"] or "inf"
+    return f"{row['num_prompts']} at once" if rate == "inf" else f"{rate} req/s"
+
+
+def markdown(table: pd.DataFrame, summary: Summary) -> str:
+    header = "| id | engine | GPU | model | TP | in/out | load | metric | published | kvsim | kvsim/published | status |"
+    lines = [header, "|" + "---|" * 12]
+    for r in table.to_dict("records"):
+        kvsim = "" if math.isnan(r["kvsim"]) else f"{r['kvsim']:.4g}"
+        ratio = "" if math.isnan(r["ratio"]) else f"{r['ratio']:.2f}"
+        lines.append(f"| [{r['id']}]({r['source_url']}) | {r['engine']} | {r['gpu']} | {r['model']} | {r['tp']} | "
+                     f"{r['lengths']} | {r['load']} | {r['metric']} ({r['unit']}) | {r['published']:.4g} | {kvsim} | "
+                     f"{ratio} | {r['status']} |")
+    return "\n".join(["\n".join(f"- {line}" for line in summary.lines()), "", *lines]) + "\n"
+
+
+def plot(table: pd.DataFrame, summary: Summary, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ran = table[table.status != "not run"].reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(ran) + 2), 4.2))
+    colors = np.where(ran.error.abs() <= WITHIN, "tab:green", "tab:red")
+    ax.bar(range(len(ran)), ran.ratio, color=colors)
+    ax.axhline(1.0, color="black", lw=0.8)
+    for bound in (1 - WITHIN, 1 + WITHIN):
+        ax.axhline(bound, color="grey", lw=0.6, ls="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(ran)), ran.id, rotation=90, fontsize=7)
+    ax.set_ylabel("kvsim / published")
+    ax.set_title(f"{summary.num_within} of {summary.num_rows} rows within {WITHIN:.0%}; "
+                 f"median |error| {summary.median_abs_error:.1%}; {summary.num_rows - summary.num_run} not run",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

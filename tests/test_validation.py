@@ -1,0 +1,63 @@
+"""`python -m sim validate`: published rows replayed, compared and explained (quick mode, no timing
+or accuracy assertions: those are the suite's output, reported in the README)."""
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from sim import validation
+from sim.errors import ConfigError
+
+
+def test_the_published_file_has_at_least_30_rows_each_cited_and_every_row_not_run_says_why():
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    assert len(frame) >= 30
+    assert frame.source_url.str.startswith("http").all()
+    assert set(frame.engine) >= {"vLLM", "SGLang", "TensorRT-LLM", "NVIDIA NIM"}
+    assert set(frame.gpu) >= {"a100_80g", "h100", "h200", "b200"}
+    assert (frame[frame.run == "no"].not_run_reason != "").all()
+    assert (frame.model == "deepseek_v3").any() and (frame.metric.str.startswith(("ttft", "itl"))).any()
+
+
+def test_each_row_becomes_the_run_keys_of_its_benchmark():
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    row = frame[frame.id == "R012"].iloc[0].to_dict()  # TRT-LLM, Llama-2-70B FP8, TP 2, 1024 x 128/128
+    keys = validation.overrides(row, native_window=4096)
+    assert {"scenario=bench", "model=llama2_70b", "gpu=h100", "tensor_parallel_size=2", "quantization=fp8",
+            "kv_cache_dtype=fp8", "scenario.input_len=128", "scenario.output_len=128",
+            "scenario.num_prompts=1024", "scenario.max_concurrency=1024"} <= set(keys)
+    metrics = {"vllm_bench": {"output_throughput": 1000.0}}
+    assert validation.metric_value(metrics, row) == 500.0  # per GPU: over the TP group
+
+
+def test_a_miss_carries_the_rows_caveat_and_a_row_not_run_its_reason():
+    assert validation.status({"caveat": "static batching", "not_run_reason": ""}, 0.5) == ("miss", "static batching")
+    assert validation.status({"caveat": "", "not_run_reason": ""}, -0.1) == ("within", "")
+    assert validation.status({"caveat": "", "not_run_reason": "FP4"}, None) == ("not run", "FP4")
+
+
+def test_a_file_without_the_columns_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,value\nR1,3\n")
+    with pytest.raises(ConfigError, match="missing column"):
+        validation.read_published(bad)
+
+
+def test_quick_validation_writes_table_markdown_and_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sim", "validate", "quick=true", f"out_dir={tmp_path}/v"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    table = pd.read_csv(tmp_path / "v" / "validation.csv")
+    assert list(table.id) == list(validation.QUICK_ROWS)
+    assert (table.kvsim > 0).all() and (table.ratio == table.kvsim / table.published).all()
+    assert (tmp_path / "v" / "validation.png").stat().st_size > 1000
+    assert "median absolute error" in (tmp_path / "v" / "validation.md").read_text()
+    assert "within 20%" in out.stdout
+
+
+def test_unknown_row_ids_are_refused_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sim", "validate", "rows=[R999]", f"out_dir={tmp_path}/v"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "R999" in out.stderr
+    assert not (tmp_path / "v" / "validation.csv").exists()
