@@ -110,8 +110,11 @@ def with_priors(profile: dict) -> dict:
     allreduce = {"link_efficiency": priors.link.value,
                  "t0_s": round(NCCL_RING_LL_BASE_S + steps * NCCL_STEP_S[priors.fabric], 9),
                  "source": f"{priors.link.source}; NCCL tuning.cc ring LL latency for 8 GPUs"}
+    send_recv = {"link_efficiency": priors.link.value,
+                 "t0_s": round(NCCL_RING_LL_BASE_S + NCCL_STEP_S[priors.fabric], 9),
+                 "source": f"{priors.link.source}; NCCL tuning.cc LL latency of one step"}
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
-                    "allreduce": allreduce, "cpu_step": CPU_STEP}
+                    "allreduce": allreduce, "send_recv": send_recv, "cpu_step": CPU_STEP}
     if priors.gemm_fp8:
         replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
                                     "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}

@@ -12,8 +12,12 @@ Their `attention.csv` (FlashAttention per layer and GPU, Kineto) becomes `attent
 (batch_size sequences of kv_cache_size cached tokens) and `attention_prefill` rows (a chunk of
 prefill_chunk_size tokens after kv_cache_size cached ones), heads per GPU = heads / TP. Their
 `cpu_overheads.csv` (Sarathi-Serve's per-step host times) becomes `cpu_step` rows: the medians of
-schedule, prepare inputs, sampler and output processing, summed, per batch size. Other files of a
-folder (collectives) are listed as not imported.
+schedule, prepare inputs, sampler and output processing, summed, per batch size. Their
+`all_reduce.csv` and `send_recv.csv` (torch.distributed, `size` in bytes) become `all_reduce` and
+`send_recv` rows from GPUs of one node whose topology is known: the 2-GPU all-reduces (NVLink) and
+the intra-node send/recv; the 4-GPU all-reduces (a pairwise-NVLink node, not a full NVSwitch one,
+see ../shared/calibration_data/SOURCE.md), the all-gathers and the inter-node send/recv are named
+as left out.
 """
 from __future__ import annotations
 
@@ -135,6 +139,29 @@ def import_cpu_overheads(path: Path, gpu: str) -> list[dict]:
     return rows
 
 
+def import_collectives(path: Path, gpu: str) -> tuple[list[dict], str]:
+    """Vidur's all_reduce.csv or send_recv.csv -> rows of one node's NVLink (seconds), and what
+    was left out."""
+    op = "all_reduce" if path.name == "all_reduce.csv" else "send_recv"
+    frame = _read(path, (f"time_stats.{op}.median", "num_workers", "size", "collective", "devices_per_node"),
+                  f"Vidur's data/profiling/<gpu>/{path.name}")
+    rows, left = [], 0
+    for line, row in enumerate(frame.to_dict("records"), start=2):
+        if row["collective"] != op:
+            left += 1
+            continue
+        workers, per_node = int(row["num_workers"]), int(row["devices_per_node"])
+        if per_node != workers or (op == "all_reduce" and workers != 2):
+            left += 1
+            continue
+        median = row[f"time_stats.{op}.median"]
+        if median != median:  # NaN
+            raise RawError(f"row without its {op} time, {path}:{line}, give Vidur's whole {path.name}")
+        shape = {"bytes": int(row["size"])} | ({"num_gpus": workers} if op == "all_reduce" else {})
+        rows.append({"op": op, **shape, "time_s": float(median) / 1e3, "source": f"vidur:{op}", "gpu": gpu})
+    return rows, f"{path.name}: {left} rows of other collectives or topologies"
+
+
 def import_directory(folder: Path) -> list[dict]:
     """Every Vidur file of a folder this importer knows; the others are named as skipped."""
     if not folder.is_dir():
@@ -151,9 +178,11 @@ def import_directory(folder: Path) -> list[dict]:
         elif path.name == "cpu_overheads.csv":
             rows.extend(import_cpu_overheads(path, gpu))
         elif path.name in ("all_reduce.csv", "send_recv.csv"):
-            skipped.append(path.name)
+            collective, left_out = import_collectives(path, gpu)
+            rows.extend(collective)
+            skipped.append(left_out)
         else:
             rows.extend(import_file(path))
     if skipped:
-        print(f"not imported from {folder}: {', '.join(skipped)} (no operator of the fit reads them)")
+        print(f"not imported from {folder}: {', '.join(skipped)}")
     return rows

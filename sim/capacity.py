@@ -1,9 +1,11 @@
 """How many KV token slots a replica has: the vLLM memory split.
 
-    pool = gpu_memory_utilization * memory * TP - weights - activation reserve * TP
+    pool = gpu_memory_utilization * memory * GPUs - weights - activation reserve * GPUs
 
-unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it. A token's KV is stored
-`ModelSpec.kv_replication(TP)` times across the group (REFERENCE.md section 1).
+over the replica's TP x PP GPUs, unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it.
+A token's KV is stored `ModelSpec.kv_replication(TP)` times across a TP group (REFERENCE.md
+section 1); pipeline stages hold their own layers' KV, and every stage keeps as many blocks as
+the one with the most layers can (ceil(layers / PP) of them), as vLLM sizes one pool for all.
 """
 from __future__ import annotations
 
@@ -42,13 +44,15 @@ def _pool_bytes(model: ModelSpec, profile: GpuProfile, tp: int, utilization: flo
 def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size: int,
                  kv_dtype: str, block_size: int, max_model_len: int,
                  gpu_memory_utilization: float, activation_reserve_bytes: float,
-                 kv_cache_memory_bytes: int | None) -> KvPool:
-    tp = tensor_parallel_size
-    bytes_per_token = model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
+                 kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1) -> KvPool:
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    most_layers = -(-model.num_layers // pp)  # ceil: the most loaded stage
+    bytes_per_token = (model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
+                       * (most_layers * pp / model.num_layers))
     if kv_cache_memory_bytes is not None:
-        pool = float(kv_cache_memory_bytes) * tp
+        pool = float(kv_cache_memory_bytes) * tp * pp
     else:
-        pool = _pool_bytes(model, profile, tp, gpu_memory_utilization, activation_reserve_bytes)
+        pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
     if num_blocks * block_size < max_model_len:
         raise ConfigError(_does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len,

@@ -89,6 +89,7 @@ class RunConfig:
     enforce_eager: bool = False
     cudagraph_capture_sizes: Optional[List[int]] = None
     quantization: Optional[str] = None
+    pipeline_parallel_size: int = 1
 
 
 @dataclass
@@ -160,6 +161,7 @@ class EngineSpec:
     step_exact: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
     quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
+    pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -186,6 +188,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
                  "set max_model_len=<tokens>")
         c["max_model_len"] = native_window
     _require(c["seed"] >= 0, "seed", f"seed={c['seed']} is negative", "use 0 or a positive integer")
+    _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
+             f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",
@@ -239,4 +243,4 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
-        quantization=c["quantization"])
+        quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"])

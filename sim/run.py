@@ -108,8 +108,13 @@ def prepare(cfg: DictConfig) -> Setup:
                         max_model_len=spec.max_model_len,
                         gpu_memory_utilization=spec.gpu_memory_utilization,
                         activation_reserve_bytes=spec.activation_reserve_bytes,
-                        kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
-    latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes)
+                        kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+                        pipeline_parallel_size=spec.pipeline_parallel_size)
+    if spec.pipeline_parallel_size > model.num_layers:
+        raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
+                          f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
+    latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
+                           spec.pipeline_parallel_size)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -185,7 +190,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
     cluster = Cluster(env, router, recorder, spec.max_model_len)
-    swap_tokens = int(spec.swap_space_bytes * spec.tensor_parallel_size // setup.pool.bytes_per_token)
+    gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
                                    spec.enable_chunked_prefill, spec.max_model_len,
                                    spec.preemption_mode, swap_tokens,

@@ -18,4 +18,4 @@ def test_quick_benchmarks_run_and_report_every_figure(capsys):
     assert rows[0]["events"] < rows[0]["steps"]               # decode stretches: fewer events than steps
     printed = capsys.readouterr().out
     assert "events/s" in printed and printed.count("\n") == 5
-    assert "vidur_matched ran on TP 4 (kvsim has no pipeline parallelism yet" in printed
+    assert "vidur_matched ran on TP 2 x PP 2" in printed

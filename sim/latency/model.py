@@ -15,9 +15,23 @@ host's share of the step:
                                                               kernels while the GPU runs them)
 
 A graph-replayed batch runs padded to the next capture size, as vLLM pads it.
+
+Pipeline parallelism (pp stages of num_layers / pp layers, vLLM's virtual engines): the running
+batch is split into pp micro-batches in flight, so one step of every sequence is a round in which
+each stage runs each micro-batch once. A round takes pp stage times plus the pp - 1 activation
+transfers of one micro-batch through the pipeline:
+
+    round = (every layer's operators on a micro-batch of 1/pp of the batch) + pp LM heads of it
+            + (pp - 1) send/recv of its activations + pp graph launches + pp CPU steps of it
+
+Every token's work is done once: the layers of all stages over all micro-batches are the layers
+of the model over the batch. A prefill chunk is not split: it runs whole in one micro-batch and
+crosses the stages one after another, so a round lasts at least that chunk's time through every
+layer plus its transfers; the excess over the balanced round is `pipeline_bubble`.
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -25,7 +39,8 @@ import numpy as np
 
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
-                                   attention_decode_work, attention_prefill_work, cpu_step_work)
+                                   attention_decode_work, attention_prefill_work, cpu_step_work,
+                                   send_recv_work)
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
 
@@ -56,13 +71,20 @@ class BatchShape:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_seqs
 
+    def micro_batch(self, parts: int) -> "BatchShape":
+        """One of `parts` equal micro-batches (pipeline parallelism); sums become shares."""
+        if parts == 1:
+            return self
+        return BatchShape(*(getattr(self, name) / parts for name in self.__dataclass_fields__))
+
 
 class LatencyModel:
     """step_time(shape) for one model on one TP group of one GPU kind; pure and cheap."""
 
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
-                 kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = ()):
+                 kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
+        self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
         self.weight_bytes_per_param = DTYPE_BYTES[model.weight_dtype]
         self.gemm_peak = profile.peak_flops(model.weight_dtype)
@@ -73,7 +95,8 @@ class LatencyModel:
         self.kv_bytes_per_token_layer_rank = (
             model.kv_elements_per_token_per_layer * DTYPE_BYTES[kv_dtype] / kv_split)
         # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
-        self.kv_bytes_per_token_rank = model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp) / tp
+        self.kv_bytes_per_token_rank = (model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
+                                        / tp / self.pp)
         self.attn_params_rank = model.attention_params_per_layer / tp
         self.expert_params_rank = model.expert_params / tp
         # GEMM shapes (n, k) per layer on one rank; times from the profile's calibrated GEMM.
@@ -98,6 +121,7 @@ class LatencyModel:
         self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
+        self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.capture_sizes = tuple(cudagraph_capture_sizes)
         self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
@@ -138,12 +162,30 @@ class LatencyModel:
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per operator for one step, GPU operators first, then `launch` and `cpu`;
         their sum (left to right) is step_time(shape)."""
-        m, tokens = self.model, shape.num_tokens
+        pp, whole = self.pp, shape
+        shape = whole.micro_batch(pp)
         num_seqs = shape.num_prefill_seqs + shape.num_decode_seqs
-        if tokens == 0:
-            swap = {"swap": self.swap_time(shape.swap_tokens)} if shape.swap_tokens else {}
-            return {**swap, "launch": 0.0, "cpu": self.cpu_time(num_seqs)}
+        if shape.num_tokens == 0:
+            swap = {"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}
+            return {**swap, "launch": 0.0, "cpu": pp * self.cpu_time(num_seqs)}
         graph = self.graph_size(shape)
+        times = self._gpu_ops(shape, graph, pp)
+        if pp > 1 and whole.num_prefill_tokens:
+            # A prefill chunk is not split across micro-batches: it crosses every stage in turn.
+            chunk = dataclasses.replace(whole, num_decode_seqs=0, decode_context_tokens=0,
+                                        num_sampled=min(whole.num_sampled, whole.num_prefill_seqs), swap_tokens=0)
+            latency = sum(self._gpu_ops(chunk, 0, 1).values()) + (pp - 1) * self.send_recv_time(chunk.num_tokens)
+            times["pipeline_bubble"] = max(0.0, latency - sum(times.values()))
+        if whole.swap_tokens:
+            times["swap"] = self.swap_time(whole.swap_tokens)
+        gpu = sum(times.values())
+        times["launch"] = pp * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
+        times["cpu"] = pp * self.cpu_time(num_seqs)
+        return times
+
+    def _gpu_ops(self, shape: BatchShape, graph: int, pp: int) -> dict[str, float]:
+        """GPU operators of a round of pp micro-batches like `shape` (pp = 1: one step of it)."""
+        m, tokens = self.model, shape.num_tokens
         padded, sampled = (graph, graph) if graph else (tokens, shape.num_sampled)
         per_token = self._per_token_count.get(padded)
         if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
@@ -154,19 +196,21 @@ class LatencyModel:
                 self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
         qkv_o_proj, mlp, allreduce = per_token
         times = {
-            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": lm_head,
+            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": pp * lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
         }
         if shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
         if shape.num_decode_seqs:
             times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
-        if shape.swap_tokens:
-            times["swap"] = self.swap_time(shape.swap_tokens)
-        gpu = sum(times.values())
-        times["launch"] = self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
-        times["cpu"] = self.cpu_time(num_seqs)
+        if pp > 1:
+            times["send_recv"] = (pp - 1) * self.send_recv_time(padded)
         return times
+
+    def send_recv_time(self, tokens: float) -> float:
+        """One micro-batch's activations from one pipeline stage to the next."""
+        nbytes = tokens * self.model.hidden_size * ACTIVATION_BYTES
+        return self.send_recv_op.time("p2p", nbytes, send_recv_work)
 
     def cpu_time(self, num_seqs: int) -> float:
         """The host's step work (schedule, prepare inputs, sample, process outputs)."""
@@ -198,7 +242,7 @@ class LatencyModel:
                                   self.kv_bytes_per_token_layer_rank)))
 
     def swap_time(self, num_tokens: int) -> float:
-        """Each rank moves its share of the tokens' KV over its own host link."""
+        """Each rank (of every stage) moves its share of the tokens' KV over its own host link."""
         nbytes = num_tokens * self.kv_bytes_per_token_rank
         return self.profile.host_link_latency_s + nbytes / self.profile.host_link_bytes_per_s
 
@@ -218,12 +262,14 @@ class LatencyModel:
         """step_time of decode-only steps of num_seqs sequences, one per context total, bit for
         bit: the same operations in the same order as breakdown() and its sum, on arrays."""
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1, num_sampled=num_seqs)
-        probe, graph = self.breakdown(shape), self.graph_size(shape)
+        probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(self.pp))
         before = 0  # sum() adds left to right from 0; attention_decode comes fifth
         for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
             before = before + probe[name]
         op, roof = self.decode_op, self.decode_op.roofline
         context = np.asarray(decode_context_tokens, dtype=np.float64)
+        if self.pp > 1:  # one micro-batch, as breakdown() times it
+            num_seqs, context = num_seqs / self.pp, context / self.pp
         flops, nbytes, _, _ = attention_decode_work(num_seqs, context, self.heads_per_rank, *self.decode_dims,
                                                     self.kv_bytes_per_token_layer_rank)
         # CalibratedOp.time on arrays (no causal FLOPs in decode)
@@ -235,7 +281,9 @@ class LatencyModel:
             fitted = fitted * np.array([op.factor(self.attention_class, size) for size in context.tolist()])
         attention = self.model.num_layers * np.maximum(fitted, floor)
         gpu = before + attention + probe["allreduce"]
-        launch = self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
+        if "send_recv" in probe:
+            gpu = gpu + probe["send_recv"]
+        launch = self.pp * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
         return gpu + launch + probe["cpu"]
 
 

@@ -11,7 +11,8 @@ computes each query head's scores and weighted values over it; a prefill chunk o
 after c cached ones attends to q * c context pairs and q (q + 1) / 2 causal pairs, the latter
 with their own efficiency (FlashAttention's diagonal tiles and the few thread blocks of a short
 chunk: on Vidur's A100 timings a causal pair costs about 3.5x a context pair). A ring all-reduce
-moves 2 (n - 1) / n of the message per GPU over one direction of its link. The CPU's share of an
+moves 2 (n - 1) / n of the message per GPU over one direction of its link, a send/recv between
+pipeline stages the message once. The CPU's share of an
 engine step (schedule, prepare inputs, sample, process outputs) has no FLOPs or bytes: it is
 t0 + per_seq_s * sequences in the batch.
 
@@ -56,6 +57,11 @@ def attention_prefill_work(num_chunks: float, context_pairs: float, causal_pairs
 
 def all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
     return 0.0, 2.0 * (num_gpus - 1) / num_gpus * message_bytes
+
+
+def send_recv_work(message_bytes: float) -> Work:
+    """One GPU sends a message to the next (pipeline stages): the message crosses the link once."""
+    return 0.0, float(message_bytes)
 
 
 def cpu_step_work(num_seqs: float) -> Work:
@@ -133,8 +139,11 @@ CATALOGUE = {
     "all_reduce": Operator(("bytes", "num_gpus"), lambda r: float(r["bytes"]),
                            lambda r: f"{int(r['num_gpus'])}gpus",
                            lambda r, b: all_reduce_work(b, _i(r, "num_gpus")),
-                           lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
+                           lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
                            peak="none", bandwidth="link"),
+    "send_recv": Operator(("bytes",), lambda r: float(r["bytes"]), lambda r: "p2p",
+                          lambda r, b: send_recv_work(b), lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
+                          peak="none", bandwidth="link"),
     "cpu_step": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
                          lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
                          "batch_size", peak="none", bandwidth="none", table=False),

@@ -105,12 +105,18 @@ def _without_gemm_fp8(data: dict) -> dict:
                               "for this GPU)"}
 
 
-FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8}
+def _without_send_recv(data: dict) -> dict:
+    """Send/recv between pipeline stages without a figure of its own: the all-reduce's link figures."""
+    return {**data["operators"]["allreduce"], "correction": None,
+            "source": "prior:the all-reduce's link efficiency and latency (no send/recv figure)"}
+
+
+FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv}
 
 
 def profile_from_dict(data: dict) -> GpuProfile:
     ops = {}
-    for op in OPERATORS + ("gemm_fp8",):
+    for op in OPERATORS + ("gemm_fp8", "send_recv"):
         raw = data["operators"][op] if op in data["operators"] else FALLBACKS[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
