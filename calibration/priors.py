@@ -23,6 +23,8 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
   15 us for 8 GPUs; PCIe 1.0 us per step.
 - tritonbench PR #1017 (GB200): cuLaunchKernel 3.0 us, Triton's launcher 4.7 us per kernel; ocannl
   issue #488: a CUDA-graph replay costs about 15 us fixed.
+- Vidur's H100 GEMM timings (microsoft/vidur e26eb8f7, data/profiling/compute/h100/meta-llama/
+  Llama-2-7b-hf/mlp.csv, TP 1 rows): the packaged h100 GEMM is fitted to them (import-vidur).
 - Vidur's cpu_overheads.csv (microsoft/vidur e2d00e9, Sarathi-Serve on an A100 host, CodeLlama-34B
   TP 2): fitted 0.868 ms + 36.2 us per sequence per step (calibration/reports/a100_80g).
 """
@@ -115,13 +117,19 @@ def with_priors(profile: dict) -> dict:
                  "source": f"{priors.link.source}; NCCL tuning.cc LL latency of one step"}
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
                     "allreduce": allreduce, "send_recv": send_recv, "cpu_step": CPU_STEP}
-    if priors.gemm_fp8:
+    if priors.gemm_fp8 and _kept(ops.get("gemm")):  # the fitted 16-bit GEMM, at the measured FP8/BF16 ratio
+        fitted, ratio = ops["gemm"], priors.gemm_fp8.value / priors.gemm.value
+        replacements["gemm_fp8"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
+                                    "source": f"prior:the fitted 16-bit GEMM ({fitted['source']}) x the FP8/BF16 "
+                                              f"ratio of {priors.gemm_fp8.source[len('prior:'):]} and of "
+                                              f"{priors.gemm.source[len('prior:'):]}"}
+    elif priors.gemm_fp8:
         replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
                                     "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}
     for name, values in replacements.items():
         if not _kept(ops.get(name)):
             ops[name] = dict(values)
-    if _kept(ops.get("gemm")) and "gemm_fp8" in ops and not _kept(ops["gemm_fp8"]) and not priors.gemm_fp8:
+    if "gemm_fp8" in ops and not _kept(ops["gemm_fp8"]) and not priors.gemm_fp8:
         del ops["gemm_fp8"]
     source = "imported" if any(_kept(op) for op in ops.values()) else "datasheet"
     notes = ("Figures from this GPU's datasheet (REFERENCE.md section 3) and cited public measurements "
@@ -130,7 +138,9 @@ def with_priors(profile: dict) -> dict:
             "graph_launch_s": GRAPH_LAUNCH_S, "launch_source": LAUNCH_SOURCE, "notes": notes}
 
 
-SAME_CHIP = {"a100_40g": "a100_80g"}  # fitted operators measured on the other memory variant
+# Fitted operators measured on the other memory variant of the same chip (GA100; GH100, whose
+# bf16 matmul stas00's MAMF table finds "the same" on the H200).
+SAME_CHIP = {"a100_40g": "a100_80g", "h200": "h100"}
 
 
 def same_chip(profile: dict, sibling: dict) -> dict:

@@ -9,8 +9,10 @@ from sim.models import load_model
 
 
 def bare(profile):
-    """A profile with no fixed costs, so memory-bound times scale exactly with bandwidth."""
-    ops = {name: dataclasses.replace(op, t0_s=0.0, per_seq_s=0.0) for name, op in profile.operators.items()}
+    """A profile with no fixed costs and no correction tables, so memory-bound times scale exactly
+    with bandwidth."""
+    ops = {name: dataclasses.replace(op, t0_s=0.0, per_seq_s=0.0, correction=None)
+           for name, op in profile.operators.items()}
     return dataclasses.replace(profile, step_overhead_s=0.0, operators=ops, kernel_launch_s=0.0,
                                graph_launch_s=0.0)
 

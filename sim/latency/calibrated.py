@@ -131,6 +131,18 @@ class CalibratedGemm:
         op = self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"]
         return op.time(gemm_class(n, k, dtype), m, lambda size: gemm_work(size, n, k, dtype))
 
+    def grouped_time(self, m: float, groups: float, n: float, k: float, dtype: str) -> float:
+        """One grouped-GEMM kernel of `groups` (m x k) @ (k x n) products (MoE experts): their
+        summed work, one fixed cost, and the correction at the per-group m (small groups run
+        small, inefficient tiles)."""
+        op = self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"]
+        flops, nbytes = gemm_work(m, n, k, dtype)
+        amounts = (groups * flops, groups * nbytes)
+        fitted, floor = op.roofline.time(*amounts), op.roofline.datasheet_time(*amounts)
+        if op.table is None or m <= 0:
+            return max(fitted, floor)
+        return max(fitted * op.factor(gemm_class(n, k, dtype), m), floor)
+
 
 def calibrated_gemm(profile) -> CalibratedGemm:
     """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""

@@ -41,6 +41,7 @@ from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, cali
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
                                    attention_decode_work, attention_prefill_work, cpu_step_work,
                                    send_recv_work)
+from sim.latency.moe import MoeLayer
 from sim.latency.profile import GpuProfile
 from sim.models import DTYPE_BYTES, ModelSpec
 
@@ -86,7 +87,6 @@ class LatencyModel:
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
-        self.weight_bytes_per_param = DTYPE_BYTES[model.weight_dtype]
         self.gemm_peak = profile.peak_flops(model.weight_dtype)
         self.attn_peak = profile.bf16_flops_per_s
         self.bw = profile.hbm_bandwidth_bytes_per_s
@@ -97,16 +97,17 @@ class LatencyModel:
         # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
         self.kv_bytes_per_token_rank = (model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
                                         / tp / self.pp)
-        self.attn_params_rank = model.attention_params_per_layer / tp
-        self.expert_params_rank = model.expert_params / tp
         # GEMM shapes (n, k) per layer on one rank; times from the profile's calibrated GEMM.
         self.gemm = calibrated_gemm(profile)
         self.gemm_dtype = model.weight_dtype
         h = model.hidden_size
         self.attention_gemms = (
-            [(self.attn_params_rank / h, h)] if model.is_mla else
+            mla_gemms(model, tp) if model.is_mla else
             [((model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tp, h),
              (h, model.num_heads * model.head_dim / tp)])
+        # MLA's chunked prefill decompresses the cached prefix's latents (kv_b_proj) per chunk.
+        self.mla_up_gemm = (((model.qk_nope_head_dim + model.v_head_dim) * model.num_heads / tp, model.kv_lora_rank)
+                            if model.is_mla else None)
         up = (2 if model.gated_mlp else 1) * model.intermediate_size / tp
         self.dense_mlp_gemms = [(up, h), (h, model.intermediate_size / tp)]
         self.lm_head_gemm = (model.vocab_size / tp, h)
@@ -121,6 +122,8 @@ class LatencyModel:
         self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
+        self.moe = MoeLayer(model, tp, self.gemm, model.weight_dtype,
+                            lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak)) if model.num_moe_layers else None
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.capture_sizes = tuple(cudagraph_capture_sizes)
         self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
@@ -144,14 +147,6 @@ class LatencyModel:
         time = self.gemm.time
         return sum(time(tokens, n, k, self.gemm_dtype) for n, k in shapes)
 
-    def _mlp_moe(self, tokens: int) -> float:
-        m = self.model
-        # Expected distinct routed experts touched by `tokens` tokens choosing k of E each.
-        touched = m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** tokens)
-        weights = (touched + m.num_shared_experts) * self.expert_params_rank
-        flops = 2.0 * tokens * (m.num_active_experts + m.num_shared_experts) * self.expert_params_rank
-        nbytes = weights * self.weight_bytes_per_param + 2 * tokens * m.hidden_size * ACTIVATION_BYTES
-        return self._op("gemm", flops, nbytes, self.gemm_peak)
 
     def graph_size(self, shape: BatchShape) -> int:
         """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
@@ -201,6 +196,9 @@ class LatencyModel:
         }
         if shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
+            cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
+            if self.mla_up_gemm and cached > 0:
+                times["mla_up_projection"] = m.num_layers * self._gemms(cached, [self.mla_up_gemm])
         if shape.num_decode_seqs:
             times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
         if pp > 1:
@@ -221,7 +219,7 @@ class LatencyModel:
         m = self.model
         qkv_o_proj = m.num_layers * self._gemms(tokens, self.attention_gemms)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
-               + (m.num_moe_layers * self._mlp_moe(tokens) if m.num_moe_layers else 0.0))
+               + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
         allreduce = (2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
                      if self.tp > 1 else 0.0)
         return qkv_o_proj, mlp, allreduce
@@ -303,3 +301,19 @@ def eager_kernels(model: ModelSpec, tp: int) -> int:
     per_layer_all_reduce = 2 if tp > 1 else 0
     return (STEP_KERNELS + model.num_layers * (attention + per_layer_all_reduce)
             + dense * DENSE_MLP_KERNELS + model.num_moe_layers * MOE_KERNELS)
+
+
+def mla_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
+    """MLA's projections (n, k) on one rank: the down-projections of queries and of the KV latent
+    are replicated on every rank (ReplicatedLinear in vLLM and SGLang), the up-projections and the
+    output projection split their heads across the TP group."""
+    h, heads = model.hidden_size, model.num_heads / tp
+    qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+    latent = model.kv_lora_rank + model.qk_rope_head_dim
+    if model.q_lora_rank:
+        gemms = [(model.q_lora_rank + latent, h), (heads * qk, model.q_lora_rank)]
+    else:
+        gemms = [(latent, h), (heads * qk, h)]
+    return gemms + [(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank),
+                    (h, heads * model.v_head_dim)]
+

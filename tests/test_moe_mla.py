@@ -1,0 +1,69 @@
+"""MoE layers as vLLM's FusedMoE runs them and MLA's replicated and prefill projections."""
+import dataclasses
+
+import pytest
+
+from sim.latency import BatchShape, LatencyModel, load_profile
+from sim.latency.model import mla_gemms
+from sim.models import load_model
+
+from tests.test_latency import bare
+
+
+def test_mla_down_projections_are_replicated_and_the_rest_split_over_tp():
+    model = load_model("deepseek_v3")
+    for tp in (1, 8):
+        gemms = mla_gemms(model, tp)
+        replicated = gemms[0][0] * gemms[0][1]
+        assert gemms[0] == (model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim, model.hidden_size)
+        split = sum(n * k for n, k in gemms[1:])
+        assert replicated + split * tp == pytest.approx(model.attention_params_per_layer)
+
+
+def chunk(tokens, cached):
+    return BatchShape(num_prefill_tokens=tokens, num_prefill_seqs=1, prefill_context_pairs=tokens * cached,
+                      prefill_causal_pairs=tokens * (tokens + 1) // 2, prefill_kv_tokens=tokens + cached,
+                      num_sampled=1)
+
+
+def test_mla_chunked_prefill_decompresses_the_cached_prefix():
+    latency = LatencyModel(load_model("deepseek_v3"), load_profile("h200"), 8, "bf16")
+    assert "mla_up_projection" not in latency.breakdown(chunk(512, 0))
+    small, large = (latency.breakdown(chunk(512, c))["mla_up_projection"] for c in (1024, 8192))
+    assert 0 < small < large
+    gqa = LatencyModel(load_model("llama31_70b"), load_profile("h200"), 8, "bf16")
+    assert "mla_up_projection" not in gqa.breakdown(chunk(512, 8192))
+
+
+def moe_time(model, tokens, profile=None):
+    latency = LatencyModel(model, profile or load_profile("h200"), 8, "bf16")
+    return latency.moe.time(tokens), latency
+
+
+def test_a_token_touches_k_experts_and_many_tokens_touch_them_all():
+    _, latency = moe_time(load_model("deepseek_v3"), 1)
+    assert latency.moe.touched_experts(1) == pytest.approx(8)
+    assert latency.moe.touched_experts(4096) == pytest.approx(256, rel=1e-6)
+
+
+def test_moe_compute_bound_time_is_the_active_experts_flops_and_every_expert_runs_once():
+    model = dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16")
+    profile = bare(load_profile("h200"))
+    tokens = 65536
+    time, latency = moe_time(model, tokens, profile)
+    peak = profile.bf16_flops_per_s * profile.op("gemm").compute_efficiency
+    experts = 2 * tokens * (model.num_active_experts + model.num_shared_experts) * model.expert_params / 8
+    router = 2 * tokens * model.num_experts * model.hidden_size
+    k, h, inter = model.num_active_experts, model.hidden_size, model.expert_intermediate_size / 8
+    routing = tokens * (model.num_experts * 4 + k * 16 + k * 3 * inter * 2 + (k + 1) * h * 2)
+    bandwidth = profile.hbm_bandwidth_bytes_per_s * profile.op("gemm").memory_efficiency
+    assert time == pytest.approx((experts + router) / peak + routing / bandwidth, rel=1e-6)
+
+
+def test_a_small_moe_batch_reads_every_touched_expert_and_costs_more_per_token():
+    model = load_model("deepseek_v3")
+    one, latency = moe_time(model, 1)
+    weights = (8 + 1) * model.expert_params / 8  # one byte per fp8 weight, TP 8
+    assert one >= weights / load_profile("h200").hbm_bandwidth_bytes_per_s
+    many, _ = moe_time(model, 256)
+    assert many / 256 < one  # per token, batching amortises the expert weights
