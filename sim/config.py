@@ -90,6 +90,7 @@ class RunConfig:
     cudagraph_capture_sizes: Optional[List[int]] = None
     quantization: Optional[str] = None
     pipeline_parallel_size: int = 1
+    serving_overhead_s: float = 0.0
 
 
 @dataclass
@@ -162,6 +163,7 @@ class EngineSpec:
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
     quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
+    serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -188,6 +190,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
                  "set max_model_len=<tokens>")
         c["max_model_len"] = native_window
     _require(c["seed"] >= 0, "seed", f"seed={c['seed']} is negative", "use 0 or a positive integer")
+    _require(c["serving_overhead_s"] >= 0, "serving_overhead_s",
+             f"serving_overhead_s={c['serving_overhead_s']} is negative", "give seconds >= 0 (0: none)")
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
              f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
@@ -243,4 +247,5 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
-        quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"])
+        quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
+        serving_overhead_s=c["serving_overhead_s"])

@@ -189,7 +189,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     env = Environment()
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
-    cluster = Cluster(env, router, recorder, spec.max_model_len)
+    cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s)
     gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
     swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,

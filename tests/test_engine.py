@@ -103,13 +103,15 @@ def test_ttft_and_e2e_are_the_step_times_of_a_hand_scheduled_request(tmp_path):
     def decode(context):
         return step(BatchShape(num_decode_seqs=1, decode_context_tokens=context, num_sampled=1))
 
+    overhead = cfg.serving_overhead_s  # API, tokenisation, detokenisation: before the engine
+    assert overhead > 0
     r = result.requests.set_index("request_id")
-    assert r.loc[0, "ttft_s"] == pytest.approx(prefill(1000), rel=1e-12)
-    assert r.loc[0, "e2e_s"] == pytest.approx(prefill(1000) + decode(1001) + decode(1002), rel=1e-12)
+    assert r.loc[0, "ttft_s"] == pytest.approx(overhead + prefill(1000), rel=1e-12)
+    assert r.loc[0, "e2e_s"] == pytest.approx(overhead + prefill(1000) + decode(1001) + decode(1002), rel=1e-12)
     assert r.loc[0, "tpot_s"] == pytest.approx((decode(1001) + decode(1002)) / 2, rel=1e-12)
-    assert r.loc[1, "ttft_s"] == pytest.approx(prefill(500), rel=1e-12) == r.loc[1, "e2e_s"]
+    assert r.loc[1, "ttft_s"] == pytest.approx(overhead + prefill(500), rel=1e-12) == r.loc[1, "e2e_s"]
     latency = result.metrics["latency_s"]
-    assert latency["ttft"]["mean"] == pytest.approx((prefill(1000) + prefill(500)) / 2, rel=1e-12)
+    assert latency["ttft"]["mean"] == pytest.approx(overhead + (prefill(1000) + prefill(500)) / 2, rel=1e-12)
     # ITL pools every gap between consecutive tokens: the two decode steps of request 0.
     assert latency["itl"]["mean"] == pytest.approx((decode(1001) + decode(1002)) / 2, rel=1e-12)
 

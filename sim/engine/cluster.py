@@ -1,6 +1,8 @@
 """The cluster: session arrivals, routing, follow-up turns after think time, and a benchmark
 client's cap on requests in flight (a request over the cap waits, and its latency counts from
-when it is sent, as `vllm bench serve` measures it)."""
+when it is sent, as `vllm bench serve` measures it). A request reaches its replica's scheduler
+`serving_overhead_s` after it arrives (the API server, tokenisation and detokenisation, lumped
+before the engine), so TTFT and E2E include that overhead and TPOT does not."""
 from __future__ import annotations
 
 from collections import deque
@@ -12,8 +14,10 @@ from sim.workload.request import Session, Workload
 
 
 class Cluster:
-    def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int):
+    def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int,
+                 serving_overhead_s: float = 0.0):
         self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
+        self.serving_overhead_s = serving_overhead_s
         self.replicas = []
         self.on_progress = lambda now: None  # called once per request served or rejected
         self._sessions: dict[tuple[int, int], Session] = {}
@@ -55,7 +59,14 @@ class Cluster:
             self._next_turn(session, turn + 1)
             return
         seq = Sequence(request, self.env.now, self.max_model_len)
-        self.replicas[self.router(self.replicas, request)].submit(seq)
+        if self.serving_overhead_s:
+            delay = self.env.timeout(self.serving_overhead_s)
+            delay.callbacks.append(lambda _event: self._route(seq))
+        else:
+            self._route(seq)
+
+    def _route(self, seq: Sequence) -> None:
+        self.replicas[self.router(self.replicas, seq.request)].submit(seq)
 
     def on_finish(self, seq: Sequence) -> None:
         """A sample finished; a request is done when all of its n samples are."""
