@@ -37,8 +37,9 @@ def _torch_dtype(torch, name: str):
             "fp8": torch.float8_e4m3fn}[name]
 
 
-def make_case(op: str, shape: dict, device: str) -> tuple[Callable[[], object], dict]:
-    """A closure that runs the op once on prepared inputs, and the row's shape columns."""
+def make_case(op: str, shape: dict, device: str, backend: str = "triton") -> tuple[Callable[[], object], dict]:
+    """A closure that runs the op once on prepared inputs (our Triton kernel, or with
+    backend=torch the kernel's torch reference), and the row's shape columns."""
     import torch
 
     from calibration.kernels import contiguous_decode, gemm, kv_copy, mla_decode, paged_decode, prefill, stream
@@ -49,9 +50,10 @@ def make_case(op: str, shape: dict, device: str) -> tuple[Callable[[], object], 
     def rand(*size, dt=dtype):
         return torch.randn(*size, device=device).to(dt)
 
+    torch_ops = backend == "torch"
     if op == "gemm":
         a, b = rand(shape["m"], shape["k"]), rand(shape["k"], shape["n"])
-        return (lambda: gemm.gemm(a, b)), row
+        return (lambda: (gemm.reference if torch_ops else gemm.gemm)(a, b)), row
     if op in ("paged_decode", "mla_decode"):
         batch, context, block = shape["batch"], shape["context"], shape["block_size"]
         per_seq = -(-context // block)
@@ -60,34 +62,42 @@ def make_case(op: str, shape: dict, device: str) -> tuple[Callable[[], object], 
         if op == "mla_decode":
             cache = rand(batch * per_seq, block, 576)
             q_lat, q_rope = rand(batch, shape["heads"], 512), rand(batch, shape["heads"], 64)
-            return (lambda: mla_decode.mla_decode(q_lat, q_rope, cache, tables, lengths)), row
+            run = mla_decode.reference if torch_ops else mla_decode.mla_decode
+            return (lambda: run(q_lat, q_rope, cache, tables, lengths)), row
         k = rand(batch * per_seq, block, shape["kv_heads"], shape["head_dim"])
         v = torch.empty_like(k).copy_(k)
         q = rand(batch, shape["heads"], shape["head_dim"])
+        if torch_ops:
+            return (lambda: paged_decode.reference(q, k, v, tables, lengths)), row
         return (lambda: paged_decode.paged_decode(q, k, v, tables, lengths, shape.get("num_splits", 1))), row
     if op == "contiguous_decode":
         k = rand(shape["batch"], shape["context"], shape["kv_heads"], shape["head_dim"])
         v = torch.empty_like(k).copy_(k)
         q = rand(shape["batch"], shape["heads"], shape["head_dim"])
         lengths = torch.full((shape["batch"],), shape["context"], dtype=torch.int32, device=device)
-        return (lambda: contiguous_decode.contiguous_decode(q, k, v, lengths)), row
+        run = contiguous_decode.reference if torch_ops else contiguous_decode.contiguous_decode
+        return (lambda: run(q, k, v, lengths)), row
     if op == "prefill":
         total = shape["context"] + shape["num_tokens"]
         q = rand(shape["batch"], shape["num_tokens"], shape["heads"], shape["head_dim"])
         k = rand(shape["batch"], total, shape["kv_heads"], shape["head_dim"])
         v = torch.empty_like(k).copy_(k)
+        if torch_ops:
+            return (lambda: prefill.reference(q, k, v)), row
         return (lambda: prefill.prefill(q, k, v, block_q=64, block_k=64)), row
     if op == "kv_copy":
         cache = rand(2 * shape["num_blocks"], shape["block_size"], shape["kv_heads"], shape["head_dim"])
         src = torch.arange(shape["num_blocks"], device=device, dtype=torch.int32)
         dst = src + shape["num_blocks"]
         row["bytes"] = 2 * cache[: shape["num_blocks"]].numel() * cache.element_size()
-        return (lambda: kv_copy.copy_blocks(cache, src, dst)), row
+        run = kv_copy.reference_copy_blocks if torch_ops else kv_copy.copy_blocks
+        return (lambda: run(cache, src, dst)), row
     if op == "stream":
         numel = int(shape["bytes"]) // (2 * torch.tensor([], dtype=dtype).element_size())
         x, y = rand(numel), rand(numel)
         row["bytes"] = stream.bytes_moved(shape["kind"], numel, x.element_size())
-        return ((lambda: stream.copy(x, y)) if shape["kind"] == "copy" else (lambda: stream.triad(x, y, 2.0))), row
+        copy, triad = (stream.reference_copy, stream.reference_triad) if torch_ops else (stream.copy, stream.triad)
+        return ((lambda: copy(x)) if shape["kind"] == "copy" else (lambda: triad(x, y, 2.0))), row
     if op == "host_copy":
         numel = int(shape["bytes"]) // 2
         host = torch.empty(numel, dtype=dtype, pin_memory=bool(shape["pinned"]))
@@ -123,10 +133,10 @@ def launch_overhead_row(device: str, timer, warmup_ms: int, rep_ms: int) -> dict
 
 
 def benchmark(points, *, device: str, context: dict, timer=do_bench_timer, warmup_ms: int = 25,
-              rep_ms: int = 100, progress=sys.stderr) -> list[dict]:
+              rep_ms: int = 100, progress=sys.stderr, backend: str = "triton") -> list[dict]:
     rows, started = [], time.perf_counter()
     for index, (op, shape) in enumerate(points, start=1):
-        fn, row = make_case(op, shape, device)
+        fn, row = make_case(op, shape, device, backend)
         p20, p50, p80 = timer(fn, warmup_ms, rep_ms)
         rows.append({**row, "op": op, "time_s": p50, "time_s_p20": p20, "time_s_p80": p80, **context})
         elapsed = time.perf_counter() - started
@@ -165,9 +175,14 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int], queue) -> None:
     dist.destroy_process_group()
 
 
-def gpu_context(device: str = "cuda") -> dict:
+def gpu_context(device: str = "cuda", backend: str = "triton") -> dict:
     import torch
     import triton
+    if backend not in ("triton", "torch"):
+        raise KvsimError(f"unknown backend '{backend}', key backend, use triton or torch")
+    if device == "cpu" and backend == "torch":
+        return {"gpu": f"CPU {cpu_name()}", "torch": torch.__version__, "triton": triton.__version__,
+                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "source": "measured"}
     if device == "cpu":
         import os
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -193,18 +208,24 @@ def run_task(cfg: DictConfig) -> None:
     from calibration.commands import _fit_and_write
 
     require_torch_and_triton()
-    context = gpu_context(cfg.device)
-    name = cfg.name or ("dry_run" if cfg.device == "cpu" else profile_name(context["gpu"]))
+    context = gpu_context(cfg.device, cfg.backend)
+    measured_cpu = cfg.device == "cpu" and cfg.backend == "torch"
+    default = "cpu" if measured_cpu else "dry_run" if cfg.device == "cpu" else profile_name(context["gpu"])
+    name = cfg.name or default
     points = expand(OmegaConf.to_container(cfg.grid, resolve=True))
     print(f"calibrating {context['gpu']} as '{name}': {len(points)} measurements", file=sys.stderr)
     timer = wall_clock_timer if cfg.device == "cpu" else do_bench_timer
     rows = benchmark(points, device=cfg.device, context=context, timer=timer, warmup_ms=cfg.warmup_ms,
-                     rep_ms=cfg.rep_ms)
+                     rep_ms=cfg.rep_ms, backend=cfg.backend)
     if cfg.device == "cuda":
         rows += allreduce_rows([1 << 20, 1 << 24, 1 << 28], context)
-    fit_cfg = OmegaConf.create({"name": name, "base": _base_for(name), "out_dir": cfg.out_dir})
-    _fit_and_write(pd.DataFrame(rows), fit_cfg, context["source"],
-                   origin=f"python -m calibration run on {context['gpu']}", raw_rows=rows)
+    frame = pd.DataFrame(rows)
+    base = measured_ceilings(frame, name, context["gpu"]) if measured_cpu else None
+    fit_cfg = OmegaConf.create({"name": name, "base": None if measured_cpu else _base_for(name),
+                                "out_dir": cfg.out_dir})
+    _fit_and_write(frame, fit_cfg, context["source"], origin=f"python -m calibration run on {context['gpu']}"
+                   + (" (torch reference operators)" if cfg.backend == "torch" else ""), raw_rows=rows,
+                   base=base)
 
 
 def require_torch_and_triton() -> None:
@@ -232,3 +253,40 @@ def _driver_version() -> str:
 def _base_for(name: str) -> str:
     from sim.latency.profile import available_profiles
     return name if name in available_profiles() else "h100"
+
+
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), else what platform says."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_ceilings(frame, name: str, device_name: str) -> dict:
+    """The base a CPU's fit starts from: no datasheet, so the best GEMM FLOP/s and the best
+    stream bandwidth measured stand for the peaks (efficiencies are shares of them) and host
+    memory for device memory; every operator's prior is 1.0 of those ceilings."""
+    import os
+
+    gemm, stream = frame[frame.op == "gemm"], frame[frame.op == "stream"]
+    if gemm.empty or stream.empty:
+        raise KvsimError("a CPU calibration needs gemm and stream rows, key grid, use grid=smoke or a grid "
+                         "with both")
+    flops = float((2.0 * gemm.m * gemm.n * gemm.k / gemm.time_s).max())
+    bandwidth = float((stream.bytes / stream.time_s).max())
+    unit = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.0, "source": "prior:measured ceiling"}
+    return {"name": name, "gpu_name": device_name, "source": "measured",
+            "reference": "measured ceilings of this CPU (calibration.bench.measured_ceilings)",
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "hbm_bandwidth_bytes_per_s": bandwidth, "bf16_flops_per_s": flops, "fp8_flops_per_s": None,
+            "link": "none (one host)", "link_bandwidth_bytes_per_s": bandwidth,
+            "host_link_bytes_per_s": bandwidth, "host_link_latency_s": 0.0, "step_overhead_s": 0.0,
+            "operators": {op: dict(unit) for op in ("gemm", "attention_prefill", "attention_decode",
+                                                    "allreduce", "send_recv", "cpu_step")}}
+

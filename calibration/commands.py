@@ -42,12 +42,14 @@ def _datasheet(name: str) -> dict:
 
 
 def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: str,
-                   raw_rows: list[dict] | None = None) -> Path:
-    """Fit, then write raw.csv (if given), profile.json and the report: all of them or none."""
+                   raw_rows: list[dict] | None = None, base: dict | None = None) -> Path:
+    """Fit, then write raw.csv (if given), profile.json and the report: all of them or none.
+    The base is a packaged datasheet profile unless given (a CPU's measured ceilings)."""
     gpu_names = sorted(str(g) for g in frame["gpu"].dropna().unique()) if "gpu" in frame else []
     packaged = packaged_profiles()
     check_profile_name(cfg.name, gpu_names, packaged)
-    base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, packaged))
+    if base is None:
+        base = _datasheet(base_profile(cfg.base, cfg.name, gpu_names, packaged))
     versions = {k: str(frame[k].dropna().iloc[0]) for k in ("driver", "torch", "triton")
                 if k in frame and frame[k].notna().any()}
     profile, report = fit_profile(frame, base, name=cfg.name, source=source, origin=origin,

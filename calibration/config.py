@@ -18,6 +18,7 @@ class CalibrationRunConfig:
     warmup_ms: int = 25
     rep_ms: int = 100
     device: str = "cuda"           # cpu: a dry run under TRITON_INTERPRET=1 with wall-clock timing
+    backend: str = "triton"        # torch: time the torch reference operators (real CPU timings with device=cpu)
 
 
 @dataclass
