@@ -15,6 +15,7 @@ import pandas as pd
 
 from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
+from sim.latency.profile import FALLBACKS
 
 EFFICIENCIES = np.geomspace(0.03, 1.0, 40)
 T0_GRID_S = np.array([0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]) * 1e-6
@@ -287,10 +288,12 @@ def operator_key(op: str) -> str:
 
 def operator_params(profile: dict, op: str) -> dict:
     """A profile's parameters for an op: its profile operator, else an extra fitted operator,
-    else (never measured, unknown to the latency model) the GEMM's; a link's efficiency is its
-    memory (and compute) efficiency."""
-    raw = (profile["operators"].get(operator_key(op)) or profile.get("extra_operators", {}).get(op)
-           or profile["operators"]["gemm"])
+    else the simulator's fallback for it (sim.latency.profile.FALLBACKS), else (never measured,
+    unknown to the latency model) the GEMM's; a link's efficiency is its memory (and compute)
+    efficiency."""
+    key = operator_key(op)
+    raw = (profile["operators"].get(key) or profile.get("extra_operators", {}).get(op)
+           or (FALLBACKS[key](profile) if key in FALLBACKS else profile["operators"]["gemm"]))
     link = raw.get("link_efficiency", 1.0)
     return {**raw, "compute_efficiency": raw.get("compute_efficiency", link),
             "memory_efficiency": raw.get("memory_efficiency", link)}

@@ -52,9 +52,7 @@ KERNELS = {
     "contiguous_decode": _kernel("context", ("batch", "heads", "kv_heads", "head_dim", "dtype"), _decode),
     "mla_decode": _kernel("context", ("batch", "heads", "block_size", "dtype"), _mla),
     "prefill": _kernel("num_tokens", ("batch", "heads", "kv_heads", "head_dim", "context", "dtype"), _prefill),
-    "kv_copy": _kernel("bytes", ("dtype",), _copy),
     "stream": _kernel("bytes", ("kind",), _copy),
-    "host_copy": _kernel("bytes", ("pinned",), _copy, bandwidth="host"),
 }
 OPS: dict[str, Operator] = {**CATALOGUE, **KERNELS}
 

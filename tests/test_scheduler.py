@@ -109,10 +109,12 @@ def test_parallel_samples_share_the_prompt_and_copy_the_last_block_on_write():
     assert len(scheduler.running) == 3
     assert [alloc.tables[x.seq_id] for x in scheduler.running] == [[0, 1]] * 3
     assert alloc.pool.ref_count[:2] == [3, 3]
-    step(scheduler, 2.0)                                 # each writes token 6 into block 1
+    plan = step(scheduler, 2.0)[0]                       # each writes token 6 into block 1
     tables = [alloc.tables[x.seq_id] for x in scheduler.running]
     assert [t[0] for t in tables] == [0, 0, 0] and len({t[1] for t in tables}) == 3
     assert alloc.num_cow_copies == 2                     # the last writer owns the original
+    assert plan.shape.copy_tokens == 2 * 4               # the step that wrote pays for the copies
+    assert scheduler.schedule().shape.copy_tokens == 0   # and only that step
     finished = step(scheduler, 3.0)[1]
     assert len(finished) == 3 and all(x.num_output == 3 for x in finished)
     assert alloc.num_free_blocks == 16

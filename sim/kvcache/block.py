@@ -43,6 +43,7 @@ class BlockAllocator:
         self._keys: dict[int, list[tuple]] = {}  # each live sequence's block keys, computed once
         self.num_forked = 0
         self.num_cow_copies = 0
+        self.num_copied_tokens = 0  # KV token slots copied (copy-on-write), timed in the next step
         # Slack of each sequence's partial last block, summed (exact while nothing is forked).
         self.total_reserved = 0
         self.total_internal = 0
@@ -173,6 +174,7 @@ class BlockAllocator:
         self.pool.drop_reference(record.table[-1])
         record.table[-1] = new_blocks[0]
         self.num_cow_copies += 1
+        self.num_copied_tokens += self.block_size
         return new_blocks[1:]
 
     def free(self, seq) -> None:

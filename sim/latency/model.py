@@ -39,7 +39,7 @@ import numpy as np
 
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
-                                   attention_decode_work, attention_prefill_work, cpu_step_work,
+                                   attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
 from sim.latency.moe import MoeLayer
 from sim.latency.profile import GpuProfile
@@ -57,6 +57,8 @@ class BatchShape:
     decode_context_tokens: sum over decode sequences of their context including the new token.
     num_sampled: sequences whose logits are computed this step.
     swap_tokens: KV tokens moved between GPU and CPU memory this step (swap preemption).
+    copy_tokens: KV token slots copied on the GPU this step (copy-on-write of a shared block, or a
+    contiguous cache's copy of a forked prompt).
     """
     num_prefill_tokens: int = 0
     num_prefill_seqs: int = 0
@@ -67,6 +69,7 @@ class BatchShape:
     decode_context_tokens: int = 0
     num_sampled: int = 0
     swap_tokens: int = 0
+    copy_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +128,9 @@ class LatencyModel:
         self.moe = MoeLayer(model, tp, self.gemm, model.weight_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak)) if model.num_moe_layers else None
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, profile.link_bandwidth_bytes_per_s / 2)
+        self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
+        self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
+        self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
         self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
@@ -161,8 +167,9 @@ class LatencyModel:
         shape = whole.micro_batch(pp)
         num_seqs = shape.num_prefill_seqs + shape.num_decode_seqs
         if shape.num_tokens == 0:
-            swap = {"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}
-            return {**swap, "launch": 0.0, "cpu": pp * self.cpu_time(num_seqs)}
+            moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
+                     **({"kv_copy": self.kv_copy_time(whole.copy_tokens)} if whole.copy_tokens else {})}
+            return {**moves, "launch": 0.0, "cpu": pp * self.cpu_time(num_seqs)}
         graph = self.graph_size(shape)
         times = self._gpu_ops(shape, graph, pp)
         if pp > 1 and whole.num_prefill_tokens:
@@ -173,6 +180,8 @@ class LatencyModel:
             times["pipeline_bubble"] = max(0.0, latency - sum(times.values()))
         if whole.swap_tokens:
             times["swap"] = self.swap_time(whole.swap_tokens)
+        if whole.copy_tokens:
+            times["kv_copy"] = self.kv_copy_time(whole.copy_tokens)
         gpu = sum(times.values())
         times["launch"] = pp * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
         times["cpu"] = pp * self.cpu_time(num_seqs)
@@ -242,7 +251,12 @@ class LatencyModel:
     def swap_time(self, num_tokens: int) -> float:
         """Each rank (of every stage) moves its share of the tokens' KV over its own host link."""
         nbytes = num_tokens * self.kv_bytes_per_token_rank
-        return self.profile.host_link_latency_s + nbytes / self.profile.host_link_bytes_per_s
+        return self.host_copy_op.time("pinned=True", nbytes, copy_work)  # swap space is pinned
+
+    def kv_copy_time(self, num_tokens: int) -> float:
+        """Each rank copies its share of the tokens' KV (read and written) in its own memory."""
+        nbytes = 2 * num_tokens * self.kv_bytes_per_token_rank
+        return self.kv_copy_op.time(f"dtype={self.kv_dtype}", nbytes, copy_work)
 
     def decode_kv_bytes_per_layer(self, shape: BatchShape) -> float:
         """KV bytes one rank reads per layer for the step's decode attention."""

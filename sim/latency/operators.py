@@ -64,6 +64,11 @@ def send_recv_work(message_bytes: float) -> Work:
     return 0.0, float(message_bytes)
 
 
+def copy_work(nbytes: float) -> Work:
+    """A copy that reads and writes `nbytes` in all (KV blocks on the GPU, or KV between host and GPU)."""
+    return 0.0, float(nbytes)
+
+
 def cpu_step_work(num_seqs: float) -> Work:
     """The host's work for one engine step of num_seqs sequences."""
     return 0.0, 0.0, num_seqs, 0.0
@@ -144,6 +149,12 @@ CATALOGUE = {
     "send_recv": Operator(("bytes",), lambda r: float(r["bytes"]), lambda r: "p2p",
                           lambda r, b: send_recv_work(b), lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
                           peak="none", bandwidth="link"),
+    "kv_copy": Operator(("bytes", "dtype"), lambda r: float(r["bytes"]), lambda r: f"dtype={r['dtype']}",
+                        lambda r, b: copy_work(b), lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
+                        peak="none"),
+    "host_copy": Operator(("bytes", "pinned"), lambda r: float(r["bytes"]), lambda r: f"pinned={r['pinned']}",
+                          lambda r, b: copy_work(b), lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
+                          peak="none", bandwidth="host"),
     "cpu_step": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
                          lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
                          "batch_size", peak="none", bandwidth="none", table=False),

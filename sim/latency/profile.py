@@ -94,7 +94,7 @@ def load_profile(name: str) -> GpuProfile:
 
 def _without_cpu_step(data: dict) -> dict:
     """A profile written before the CPU's step cost was an operator: its fixed step overhead."""
-    return {"t0_s": data["step_overhead_s"], "per_seq_s": 0.0,
+    return {"t0_s": data.get("step_overhead_s", 0.0), "per_seq_s": 0.0,
             "source": "prior:the profile's fixed step_overhead_s (no cpu_step operator)"}
 
 
@@ -111,12 +111,24 @@ def _without_send_recv(data: dict) -> dict:
             "source": "prior:the all-reduce's link efficiency and latency (no send/recv figure)"}
 
 
-FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv}
+def _without_kv_copy(data: dict) -> dict:
+    gemm = data["operators"]["gemm"]
+    return {"memory_efficiency": gemm["memory_efficiency"], "compute_efficiency": 1.0, "t0_s": gemm["t0_s"],
+            "source": "prior:the GEMM's memory efficiency and fixed cost (no KV copy figure)"}
+
+
+def _without_host_copy(data: dict) -> dict:
+    return {"memory_efficiency": 1.0, "compute_efficiency": 1.0, "t0_s": data.get("host_link_latency_s", 0.0),
+            "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
+
+
+FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
+             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy}
 
 
 def profile_from_dict(data: dict) -> GpuProfile:
     ops = {}
-    for op in OPERATORS + ("gemm_fp8", "send_recv"):
+    for op in OPERATORS + tuple(op for op in FALLBACKS if op not in OPERATORS):
         raw = data["operators"][op] if op in data["operators"] else FALLBACKS[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),

@@ -79,6 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swap_used_tokens = 0
         self._swap_tokens = 0  # moved over the host link in the step being planned
+        self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
 
@@ -132,7 +133,9 @@ class Scheduler:
             budget = self._swap_in(scheduled, budget)
             if not self.swapped:
                 budget = self._admit(scheduled, budget)
-        return StepPlan(tuple(scheduled), _shape(scheduled, self._swap_tokens), num_preempted)
+        copied = getattr(self.allocator, "num_copied_tokens", 0)  # forks at the last commit, copy-on-write now
+        copy_tokens, self._copied_tokens = copied - self._copied_tokens, copied
+        return StepPlan(tuple(scheduled), _shape(scheduled, self._swap_tokens, copy_tokens), num_preempted)
 
     def _swap_in(self, scheduled: list, budget: int) -> int:
         swapped, running = self.swapped, self.running
@@ -240,7 +243,7 @@ class Scheduler:
         running, shape = self.running, plan.shape
         num_seqs = len(running)
         if (plan.num_preempted or self.swapped or shape.num_prefill_tokens or shape.swap_tokens
-                or shape.num_decode_seqs != num_seqs or len(plan.scheduled) != num_seqs):
+                or shape.copy_tokens or shape.num_decode_seqs != num_seqs or len(plan.scheduled) != num_seqs):
             return 1
         blocked = self.admission_blocked_by
         if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
@@ -302,7 +305,7 @@ class Scheduler:
         return siblings
 
 
-def _shape(scheduled, swap_tokens: int = 0) -> BatchShape:
+def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0) -> BatchShape:
     prefill_tokens = prefill_seqs = prefill_kv = decode_seqs = decode_context = sampled = 0
     context_pairs = causal_pairs = 0
     for seq, num_new in scheduled:
@@ -319,4 +322,4 @@ def _shape(scheduled, swap_tokens: int = 0) -> BatchShape:
         context_pairs += num_new * context
         causal_pairs += num_new * (num_new + 1) // 2
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
-                      decode_context, sampled, swap_tokens)
+                      decode_context, sampled, swap_tokens, copy_tokens)

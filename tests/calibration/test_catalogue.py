@@ -154,3 +154,15 @@ def test_vidur_attention_sample_extrapolates_past_1024_tokens_within_15_percent(
     prepared = prepare(rows, "attention_prefill", base)
     assert fit_roofline(prepared.tc.to_numpy(), prepared.tm.to_numpy(), prepared.t.to_numpy(),
                         tk=prepared.tk.to_numpy())["causal_efficiency"] < 0.5
+
+
+def test_kv_copies_and_swaps_in_the_simulator_equal_predict(tmp_path):
+    latency = LatencyModel(load_model("llama2_70b"), load_profile("a100_80g"), 2, "fp16")
+    shape = BatchShape(num_decode_seqs=4, decode_context_tokens=4000, num_sampled=4, swap_tokens=320,
+                       copy_tokens=48)
+    times = latency.breakdown(shape)
+    per_rank = latency.kv_bytes_per_token_rank
+    out = predicted(tmp_path, [{"op": "kv_copy", "bytes": 2 * 48 * per_rank, "dtype": "fp16"},
+                               {"op": "host_copy", "bytes": 320 * per_rank, "pinned": True}]).time_s.tolist()
+    assert times["kv_copy"] == pytest.approx(out[0], rel=1e-12) and times["kv_copy"] > 0
+    assert times["swap"] == pytest.approx(out[1], rel=1e-12)
