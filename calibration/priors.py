@@ -35,6 +35,13 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+# All-reduce over 8 H200s (NVLink 4 switch, NCCL 2.27.7, torch.distributed): stas00/ml-engineering
+# network/benchmarks/results/all-reduce-8xH200.md, busbw in GB/s by message size; time = size /
+# algbw, algbw = busbw * n / (2 (n - 1)). The H100's HGX board has the same NVLink 4 switches
+# (nccl-tests #212: the same 370 GB/s ring and 480 GB/s NVLS figures).
+H200_ALL_REDUCE_BUSBW = {32 * 2**10: 1.44e9, 2**20: 39.93e9, 16 * 2**20: 219.89e9, 256 * 2**20: 436.15e9,
+                         16 * 2**30: 482.26e9}
+ALL_REDUCE_SOURCE = "stas00 all-reduce-8xH200 (torch.distributed, NCCL 2.27.7)"
 KERNEL_LAUNCH_S, GRAPH_LAUNCH_S = 4.7e-6, 15e-6
 LAUNCH_SOURCE = ("prior:tritonbench PR #1017 (Triton launcher 4.7 us per kernel) and ocannl issue "
                  "#488 (a CUDA-graph replay about 15 us)")
@@ -147,9 +154,23 @@ def same_chip(profile: dict, sibling: dict) -> dict:
     """Fitted operators of the same chip's other variant, said so (bandwidth stays this GPU's)."""
     ops = dict(profile["operators"])
     for name, op in sibling["operators"].items():
-        if _kept(op) and name != "cpu_step":
+        own = ops.get(name)
+        if _kept(own) and "(same chip)" not in own["source"]:
+            continue  # fitted on this GPU's own data
+        if _kept(op) and name != "cpu_step" and "(same chip)" not in op["source"]:
             ops[name] = {**op, "source": f"{op['source']} on the {sibling['gpu_name']} (same chip)"}
     return {**profile, "operators": ops}
+
+
+def nvlink4_all_reduce(base: dict) -> dict:
+    """The all-reduce operator fitted to the 8 x H200 sizes above (t0, link share, correction)."""
+    import pandas as pd
+
+    from calibration.fit import fit_op, prepare
+    rows = pd.DataFrame([{"op": "all_reduce", "bytes": size, "num_gpus": 8,
+                          "time_s": size / (busbw * 8 / (2 * 7))} for size, busbw in H200_ALL_REDUCE_BUSBW.items()])
+    params = fit_op(prepare(rows, "all_reduce", base), base, "all_reduce")
+    return {**params, "source": f"imported:{ALL_REDUCE_SOURCE} ({len(rows)} sizes)"}
 
 
 def main() -> None:
@@ -157,6 +178,8 @@ def main() -> None:
     for name in PRIORS:
         path = folder / f"{name}.json"
         profile = json.loads(path.read_text())
+        if name in ("h100", "h200"):
+            profile["operators"]["allreduce"] = nvlink4_all_reduce(profile)
         if name in SAME_CHIP:
             profile = same_chip(profile, json.loads((folder / f"{SAME_CHIP[name]}.json").read_text()))
         path.write_text(json.dumps(with_priors(profile), indent=2) + "\n")

@@ -145,7 +145,7 @@ CATALOGUE = {
                            lambda r: f"{int(r['num_gpus'])}gpus",
                            lambda r, b: all_reduce_work(b, _i(r, "num_gpus")),
                            lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
-                           peak="none", bandwidth="link"),
+                           peak="none", bandwidth="link", table=False),
     "send_recv": Operator(("bytes",), lambda r: float(r["bytes"]), lambda r: "p2p",
                           lambda r, b: send_recv_work(b), lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
                           peak="none", bandwidth="link"),

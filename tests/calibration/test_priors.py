@@ -51,3 +51,14 @@ def test_run_output_and_metrics_show_each_operators_provenance(tmp_path):
     assert "gemm imported:vidur" in line and "cpu_step prior:" in line and "launch prior:" in line
     metrics = json.loads((tmp_path / "run" / "paged" / "metrics.json").read_text())
     assert metrics["latency_profile"]["operators"] == load_profile("h100").provenance()
+
+
+def test_nvlink4_all_reduce_follows_the_measured_sizes_of_8_h200s():
+    from calibration.priors import H200_ALL_REDUCE_BUSBW
+    from sim.latency import LatencyModel
+    from sim.models import load_model
+    for gpu in ("h100", "h200"):
+        latency = LatencyModel(load_model("llama31_70b"), load_profile(gpu), 8, "bf16")
+        errors = [latency._allreduce(size) / (size / (busbw * 8 / 14)) - 1
+                  for size, busbw in H200_ALL_REDUCE_BUSBW.items()]
+        assert max(abs(e) for e in errors) < 0.25 and sum(abs(e) for e in errors) / len(errors) < 0.1
