@@ -91,6 +91,7 @@ class RunConfig:
     quantization: Optional[str] = None
     pipeline_parallel_size: int = 1
     serving_overhead_s: float = 0.0
+    enable_expert_parallel: bool = False
 
 
 @dataclass
@@ -164,6 +165,7 @@ class EngineSpec:
     quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
+    enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -248,4 +250,4 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
-        serving_overhead_s=c["serving_overhead_s"])
+        serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"])

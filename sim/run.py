@@ -113,8 +113,11 @@ def prepare(cfg: DictConfig) -> Setup:
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
+    if spec.enable_expert_parallel and not (model.num_moe_layers and spec.tensor_parallel_size > 1):
+        log.warning("enable_expert_parallel=true has no effect: %s", f"{model.name} has no experts"
+                    if not model.num_moe_layers else "tensor_parallel_size=1 leaves one GPU per expert group")
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
-                           spec.pipeline_parallel_size)
+                           spec.pipeline_parallel_size, spec.enable_expert_parallel)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():

@@ -68,6 +68,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
             "allocators=[paged]", "cluster.num_replicas=1", "plots=false", "quiet=true", "progress=false"]
     if row["pipeline_parallel_size"] not in ("", "1"):
         keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
+    if row.get("enable_expert_parallel") == "true":
+        keys.append("enable_expert_parallel=true")
     if row["dataset"] == "sharegpt":
         return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
                 "scenario.arrival_rate_rps=1e9", "max_model_len=null"]

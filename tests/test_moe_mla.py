@@ -1,6 +1,7 @@
 """MoE layers as vLLM's FusedMoE runs them and MLA's replicated and prefill projections."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 from sim.latency import BatchShape, LatencyModel, load_profile
@@ -67,3 +68,34 @@ def test_a_small_moe_batch_reads_every_touched_expert_and_costs_more_per_token()
     assert one >= weights / load_profile("h200").hbm_bandwidth_bytes_per_s
     many, _ = moe_time(model, 256)
     assert many / 256 < one  # per token, batching amortises the expert weights
+
+
+def moe_layers(tokens, profile):
+    from sim.latency.calibrated import calibrated_gemm
+    from sim.latency.moe import MoeLayer
+    model = dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16")
+    gemm = calibrated_gemm(profile)
+    return [MoeLayer(model, 8, gemm, "bf16", lambda nbytes: 0.0, ep) for ep in (False, True)]
+
+
+def test_expert_parallelism_runs_the_same_expert_work_per_gpu_in_wider_gemms():
+    profile = bare(load_profile("h200"))
+    tp, ep = moe_layers(65536, profile)  # compute-bound: time is FLOPs
+    assert ep.time(65536) == pytest.approx(tp.time(65536), rel=1e-9)
+    assert ep.expert_gemms[0][0] == 8 * tp.expert_gemms[0][0]  # whole experts, not 1/8 slices
+    assert ep.all_to_all_bytes(800) == 800 / 8 * 8 * 7168 * 2  # its 1/8 of the tokens, k = 8 copies
+
+
+def test_expert_parallelism_moves_routed_tokens_by_all_to_all_and_keeps_stretches_exact():
+    model, profile = load_model("deepseek_v3"), load_profile("h200")
+    tp = LatencyModel(model, profile, 8, "bf16")
+    ep = LatencyModel(model, profile, 8, "bf16", expert_parallel=True)
+    shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 900, num_sampled=64)
+    assert "all_to_all" not in tp.breakdown(shape) and ep.breakdown(shape)["all_to_all"] > 0
+    assert ep.breakdown(shape)["allreduce"] < tp.breakdown(shape)["allreduce"]  # MoE layers: no all-reduce
+    dense = LatencyModel(load_model("llama31_70b"), profile, 8, "bf16", expert_parallel=True)
+    assert "all_to_all" not in dense.breakdown(shape)
+    contexts = np.arange(64 * 900, 64 * 900 + 64 * 20, 64)
+    stepped = [ep.step_time(BatchShape(num_decode_seqs=64, decode_context_tokens=int(c), num_sampled=64))
+               for c in contexts]
+    assert ep.decode_step_times(64, contexts).tolist() == stepped

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
-from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, attention_class,
+from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
 from sim.latency.moe import MoeLayer
@@ -86,7 +86,8 @@ class LatencyModel:
     """step_time(shape) for one model on one TP group of one GPU kind; pure and cheap."""
 
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
-                 kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1):
+                 kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
+                 expert_parallel: bool = False):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
@@ -125,8 +126,11 @@ class LatencyModel:
         self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
+        self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp > 1)
         self.moe = MoeLayer(model, tp, self.gemm, model.weight_dtype,
-                            lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak)) if model.num_moe_layers else None
+                            lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
+                            self.expert_parallel) if model.num_moe_layers else None
+        self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
@@ -198,11 +202,13 @@ class LatencyModel:
         if lm_head is None:
             lm_head = self._lm_head[sampled] = (
                 self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
-        qkv_o_proj, mlp, allreduce = per_token
+        qkv_o_proj, mlp, allreduce, all_to_all = per_token
         times = {
             "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": pp * lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
         }
+        if self.expert_parallel:
+            times["all_to_all"] = all_to_all
         if shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
             cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
@@ -223,15 +229,28 @@ class LatencyModel:
         """The host's step work (schedule, prepare inputs, sample, process outputs)."""
         return self.cpu_op.time("step", num_seqs, cpu_step_work)
 
-    def _token_ops(self, tokens: int) -> tuple[float, float, float]:
-        """(QKV and O projections, MLP, all-reduce) seconds for a step of `tokens` tokens."""
+    def _token_ops(self, tokens: int) -> tuple[float, float, float, float]:
+        """(QKV and O projections, MLP, all-reduce, all-to-all) seconds for a step of `tokens`
+        tokens: an all-reduce after each attention and each MLP under TP; under EP a MoE layer's
+        routed tokens go out and back by all-to-all and its output is gathered instead."""
         m = self.model
         qkv_o_proj = m.num_layers * self._gemms(tokens, self.attention_gemms)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
                + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
-        allreduce = (2 * m.num_layers * self._allreduce(tokens * m.hidden_size * ACTIVATION_BYTES)
-                     if self.tp > 1 else 0.0)
-        return qkv_o_proj, mlp, allreduce
+        if self.tp == 1:
+            return qkv_o_proj, mlp, 0.0, 0.0
+        activations = tokens * m.hidden_size * ACTIVATION_BYTES
+        if not self.expert_parallel:
+            return qkv_o_proj, mlp, 2 * m.num_layers * self._allreduce(activations), 0.0
+        allreduce = (m.num_layers + self.num_dense_layers) * self._allreduce(activations)
+        a2a = self.all_to_all_time
+        all_to_all = m.num_moe_layers * (2 * a2a(self.moe.all_to_all_bytes(tokens)) + a2a(activations))
+        return qkv_o_proj, mlp, allreduce, all_to_all
+
+    def all_to_all_time(self, message_bytes: float) -> float:
+        """An all-to-all over the TP group (EP dispatch, combine, or the output's gather)."""
+        return self.all_to_all_op.time(f"{self.tp}gpus", message_bytes,
+                                       lambda size: all_to_all_work(size, self.tp))
 
     def attention_prefill_time(self, shape: BatchShape) -> float:
         """One layer's prefill attention on one GPU; the correction axis is the mean chunk."""
@@ -293,6 +312,8 @@ class LatencyModel:
             fitted = fitted * np.array([op.factor(self.attention_class, size) for size in context.tolist()])
         attention = self.model.num_layers * np.maximum(fitted, floor)
         gpu = before + attention + probe["allreduce"]
+        if "all_to_all" in probe:
+            gpu = gpu + probe["all_to_all"]
         if "send_recv" in probe:
             gpu = gpu + probe["send_recv"]
         launch = self.pp * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)

@@ -5,6 +5,13 @@ kernel whose tiles run per expert, so a touched expert with few tokens runs a sm
 GEMM), SiLU-and-mul between them, the weighted sum of the top-k outputs, and the shared experts
 as dense GEMMs. Every GEMM is timed by the profile's calibrated GEMM; the small routing kernels
 read and write their bytes at the GEMM's memory efficiency with its fixed cost.
+
+Expert parallelism (`enable_expert_parallel`, EP = the TP group): each GPU holds E / EP whole
+experts instead of a 1/TP slice of every expert, and runs the tokens routed to them: the same
+FLOPs and expert bytes per GPU in expectation, in wider GEMMs over fewer experts. The routed
+tokens travel by all-to-all (dispatch to the experts' GPUs, combine back) and the layer's output
+is gathered for the next attention instead of all-reduced (sim.latency.model). Shared experts
+stay split over TP.
 """
 from __future__ import annotations
 
@@ -20,14 +27,19 @@ INDEX_BYTES = 4
 
 class MoeLayer:
     def __init__(self, model: ModelSpec, tp: int, gemm: CalibratedGemm, weight_dtype: str,
-                 memory_time: Callable[[float], float]):
+                 memory_time: Callable[[float], float], expert_parallel: bool = False):
         self.model, self.gemm, self.dtype, self.memory_time = model, gemm, weight_dtype, memory_time
+        self.ep = tp if expert_parallel else 1  # GPUs the experts are spread over, whole
         up = 2 if model.gated_mlp else 1
-        inter = model.expert_intermediate_size / tp
+        inter = model.expert_intermediate_size / (1 if expert_parallel else tp)
         self.expert_gemms = [(up * inter, model.hidden_size), (model.hidden_size, inter)]
-        shared = inter * model.num_shared_experts
+        shared = model.expert_intermediate_size / tp * model.num_shared_experts
         self.shared_gemms = [(up * shared, model.hidden_size), (model.hidden_size, shared)] if shared else []
         self.inter = inter
+
+    def all_to_all_bytes(self, tokens: float) -> float:
+        """One all-to-all's message per GPU under EP: its 1/EP of the tokens, k copies each."""
+        return tokens / self.ep * self.model.num_active_experts * self.model.hidden_size * ACTIVATION_BYTES
 
     def touched_experts(self, tokens: float) -> float:
         """Expected distinct routed experts that `tokens` tokens choosing k of E each touch."""
@@ -40,10 +52,12 @@ class MoeLayer:
         touched = self.touched_experts(tokens)
         per_expert = tokens * k / touched
         router = gemm(tokens, m.num_experts, h, ROUTER_DTYPE)
-        grouped = sum(self.gemm.grouped_time(per_expert, touched, n, kk, self.dtype) for n, kk in self.expert_gemms)
+        local = touched / self.ep  # this GPU's share of the touched experts (EP: its own experts)
+        grouped = sum(self.gemm.grouped_time(per_expert, local, n, kk, self.dtype) for n, kk in self.expert_gemms)
+        routed = tokens * k / self.ep  # token copies this GPU's experts run
         shared = sum(gemm(tokens, n, kk, self.dtype) for n, kk in self.shared_gemms)
         routing = (self.memory_time(tokens * m.num_experts * 4 + tokens * k * 2 * INDEX_BYTES)  # top-k
                    + self.memory_time(tokens * k * 2 * INDEX_BYTES)                          # align
-                   + self.memory_time(tokens * k * 3 * self.inter * ACTIVATION_BYTES)         # SiLU-and-mul
-                   + self.memory_time(tokens * (k + 1) * h * ACTIVATION_BYTES))               # weighted sum
+                   + self.memory_time(routed * 3 * self.inter * ACTIVATION_BYTES)             # SiLU-and-mul
+                   + self.memory_time((routed + tokens / self.ep) * h * ACTIVATION_BYTES))   # weighted sum
         return router + grouped + shared + routing

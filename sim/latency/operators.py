@@ -64,6 +64,11 @@ def send_recv_work(message_bytes: float) -> Work:
     return 0.0, float(message_bytes)
 
 
+def all_to_all_work(message_bytes: float, num_gpus: float) -> Work:
+    """Each GPU keeps 1/n of its message and sends the rest, one direction of its link."""
+    return 0.0, (num_gpus - 1) / num_gpus * message_bytes
+
+
 def copy_work(nbytes: float) -> Work:
     """A copy that reads and writes `nbytes` in all (KV blocks on the GPU, or KV between host and GPU)."""
     return 0.0, float(nbytes)
@@ -149,6 +154,11 @@ CATALOGUE = {
     "send_recv": Operator(("bytes",), lambda r: float(r["bytes"]), lambda r: "p2p",
                           lambda r, b: send_recv_work(b), lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
                           peak="none", bandwidth="link"),
+    "all_to_all": Operator(("bytes", "num_gpus"), lambda r: float(r["bytes"]),
+                           lambda r: f"{int(r['num_gpus'])}gpus",
+                           lambda r, b: all_to_all_work(b, _i(r, "num_gpus")),
+                           lambda r: float(r["bytes"]), (2**23, 2**24), "bytes",
+                           peak="none", bandwidth="link", table=False),
     "kv_copy": Operator(("bytes", "dtype"), lambda r: float(r["bytes"]), lambda r: f"dtype={r['dtype']}",
                         lambda r, b: copy_work(b), lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
                         peak="none"),

@@ -122,8 +122,13 @@ def _without_host_copy(data: dict) -> dict:
             "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
 
 
+def _without_all_to_all(data: dict) -> dict:
+    return {**data["operators"]["allreduce"], "correction": None,
+            "source": "prior:the all-reduce's link efficiency and latency (no all-to-all figure)"}
+
+
 FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
-             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy}
+             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "all_to_all": _without_all_to_all}
 
 
 def profile_from_dict(data: dict) -> GpuProfile:
