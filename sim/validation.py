@@ -3,7 +3,8 @@ engine) simulated as that benchmark ran, and kvsim / published per row.
 
 A row is run as `scenario=bench` (fixed lengths) or `scenario=sharegpt` with the row's model,
 GPU profile, precision, parallelism, engine limits and load; its metric is read from the run's
-vllm_bench block. Rows kvsim cannot run (a feature it does not model) are kept with their reason
+vllm_bench block. A benchmark that drives the engine in-process (`harness`: trtllm-bench,
+gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP serving overhead. Rows kvsim cannot run (a feature it does not model) are kept with their reason
 and count as misses; the rows check the model and never train it (no factor is fitted to them).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
+           "pipeline_parallel_size", "enable_expert_parallel", "harness", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
            "not_run_reason", "caveat", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
@@ -68,8 +69,10 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
             "allocators=[paged]", "cluster.num_replicas=1", "plots=false", "quiet=true", "progress=false"]
     if row["pipeline_parallel_size"] not in ("", "1"):
         keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
-    if row.get("enable_expert_parallel") == "true":
+    if row["enable_expert_parallel"] == "true":
         keys.append("enable_expert_parallel=true")
+    if row["harness"] == "in-process":  # trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks
+        keys.append("serving_overhead_s=0")
     if row["dataset"] == "sharegpt":
         return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
                 "scenario.arrival_rate_rps=1e9", "max_model_len=null"]

@@ -27,8 +27,11 @@ def test_each_row_becomes_the_run_keys_of_its_benchmark():
     assert {"scenario=bench", "model=llama2_70b", "gpu=h100", "tensor_parallel_size=2", "quantization=fp8",
             "kv_cache_dtype=fp8", "scenario.input_len=128", "scenario.output_len=128",
             "scenario.num_prompts=1024", "scenario.max_concurrency=1024"} <= set(keys)
+    assert "serving_overhead_s=0" in keys  # gptSessionBenchmark drives the engine in-process: no HTTP
     metrics = {"vllm_bench": {"output_throughput": 1000.0}}
     assert validation.metric_value(metrics, row) == 500.0  # per GPU: over the TP group
+    served = frame[frame.id == "R041"].iloc[0].to_dict()  # NIM, over HTTP
+    assert not any(key.startswith("serving_overhead_s") for key in validation.overrides(served, 131072))
 
 
 def test_a_miss_carries_the_rows_caveat_and_a_row_not_run_its_reason():
