@@ -15,7 +15,9 @@ import pandas as pd
 
 from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
-from sim.latency.profile import FALLBACKS
+from sim.latency.profile import FALLBACKS, OPERATORS
+
+SIMULATOR_OPERATORS = set(OPERATORS) | set(FALLBACKS)  # what sim.latency.profile reads
 
 EFFICIENCIES = np.geomspace(0.03, 1.0, 40)
 T0_GRID_S = np.array([0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]) * 1e-6
@@ -265,7 +267,7 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
         report[op] = {"fit": roofline_params(params), **evaluate(rows, base, op, datasheet)}
         key = operator_key(op)
         fitted = {**params, "source": provenance(source, rows), "origin": origin}
-        if key in profile["operators"]:
+        if key in profile["operators"] or key in SIMULATOR_OPERATORS:
             profile["operators"][key] = fitted
         else:
             profile.setdefault("extra_operators", {})[op] = fitted

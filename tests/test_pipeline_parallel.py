@@ -90,3 +90,11 @@ def test_vidur_matched_at_tp2_pp2_lands_within_25_percent_of_vidurs_ttft_and_tpo
     # Vidur (Agrawal et al., MLSys 2024) on this setup: TTFT p50 0.50 s, TPOT p50 84.7 ms (issue 10).
     assert metrics["latency_s"]["ttft"]["p50"] == pytest.approx(0.50, rel=0.25)
     assert metrics["latency_s"]["tpot"]["p50"] == pytest.approx(0.0847, rel=0.25)
+
+
+def test_a_batch_smaller_than_the_pipeline_runs_one_micro_batch_per_sequence():
+    one_stage, four_stages = latency(1, tp=1, model="llama31_8b"), latency(4, tp=1, model="llama31_8b")
+    lone, alone = four_stages.breakdown(decode(1)), one_stage.breakdown(decode(1))
+    assert lone["cpu"] == alone["cpu"] and lone["lm_head"] == alone["lm_head"]  # one CPU step, one LM head
+    assert lone["send_recv"] == 3 * four_stages.send_recv_time(1)  # its activations cross 3 boundaries
+    assert four_stages.breakdown(decode(2))["cpu"] == pytest.approx(2 * one_stage.cpu_time(1))

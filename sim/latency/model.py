@@ -167,32 +167,39 @@ class LatencyModel:
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per operator for one step, GPU operators first, then `launch` and `cpu`;
         their sum (left to right) is step_time(shape)."""
-        pp, whole = self.pp, shape
-        shape = whole.micro_batch(pp)
+        whole = shape
+        parts = self.micro_batches(whole.num_prefill_seqs + whole.num_decode_seqs)
+        shape = whole.micro_batch(parts)
         num_seqs = shape.num_prefill_seqs + shape.num_decode_seqs
         if shape.num_tokens == 0:
             moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
                      **({"kv_copy": self.kv_copy_time(whole.copy_tokens)} if whole.copy_tokens else {})}
-            return {**moves, "launch": 0.0, "cpu": pp * self.cpu_time(num_seqs)}
+            return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs)}
         graph = self.graph_size(shape)
-        times = self._gpu_ops(shape, graph, pp)
-        if pp > 1 and whole.num_prefill_tokens:
+        times = self._gpu_ops(shape, graph, parts)
+        if self.pp > 1 and whole.num_prefill_tokens:
             # A prefill chunk is not split across micro-batches: it crosses every stage in turn.
             chunk = dataclasses.replace(whole, num_decode_seqs=0, decode_context_tokens=0,
                                         num_sampled=min(whole.num_sampled, whole.num_prefill_seqs), swap_tokens=0)
-            latency = sum(self._gpu_ops(chunk, 0, 1).values()) + (pp - 1) * self.send_recv_time(chunk.num_tokens)
+            latency = sum(self._gpu_ops(chunk, 0, 1).values())
             times["pipeline_bubble"] = max(0.0, latency - sum(times.values()))
         if whole.swap_tokens:
             times["swap"] = self.swap_time(whole.swap_tokens)
         if whole.copy_tokens:
             times["kv_copy"] = self.kv_copy_time(whole.copy_tokens)
         gpu = sum(times.values())
-        times["launch"] = pp * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
-        times["cpu"] = pp * self.cpu_time(num_seqs)
+        times["launch"] = parts * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
+        times["cpu"] = parts * self.cpu_time(num_seqs)
         return times
 
-    def _gpu_ops(self, shape: BatchShape, graph: int, pp: int) -> dict[str, float]:
-        """GPU operators of a round of pp micro-batches like `shape` (pp = 1: one step of it)."""
+    def micro_batches(self, num_seqs: int) -> int:
+        """Micro-batches in flight: one per pipeline stage, but never more than sequences."""
+        return max(1, min(self.pp, num_seqs))
+
+    def _gpu_ops(self, shape: BatchShape, graph: int, parts: int) -> dict[str, float]:
+        """GPU operators of a round of `parts` micro-batches like `shape` through every stage
+        (without pipeline stages: one step of it); each micro-batch's activations cross the
+        pp - 1 stage boundaries."""
         m, tokens = self.model, shape.num_tokens
         padded, sampled = (graph, graph) if graph else (tokens, shape.num_sampled)
         per_token = self._per_token_count.get(padded)
@@ -204,7 +211,7 @@ class LatencyModel:
                 self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
         qkv_o_proj, mlp, allreduce, all_to_all = per_token
         times = {
-            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": pp * lm_head,
+            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": parts * lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
         }
         if self.expert_parallel:
@@ -216,8 +223,8 @@ class LatencyModel:
                 times["mla_up_projection"] = m.num_layers * self._gemms(cached, [self.mla_up_gemm])
         if shape.num_decode_seqs:
             times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
-        if pp > 1:
-            times["send_recv"] = (pp - 1) * self.send_recv_time(padded)
+        if self.pp > 1:
+            times["send_recv"] = (self.pp - 1) * self.send_recv_time(padded)
         return times
 
     def send_recv_time(self, tokens: float) -> float:
@@ -293,14 +300,15 @@ class LatencyModel:
         """step_time of decode-only steps of num_seqs sequences, one per context total, bit for
         bit: the same operations in the same order as breakdown() and its sum, on arrays."""
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1, num_sampled=num_seqs)
-        probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(self.pp))
+        parts = self.micro_batches(num_seqs)
+        probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(parts))
         before = 0  # sum() adds left to right from 0; attention_decode comes fifth
         for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
             before = before + probe[name]
         op, roof = self.decode_op, self.decode_op.roofline
         context = np.asarray(decode_context_tokens, dtype=np.float64)
-        if self.pp > 1:  # one micro-batch, as breakdown() times it
-            num_seqs, context = num_seqs / self.pp, context / self.pp
+        if parts > 1:  # one micro-batch, as breakdown() times it
+            num_seqs, context = num_seqs / parts, context / parts
         flops, nbytes, _, _ = attention_decode_work(num_seqs, context, self.heads_per_rank, *self.decode_dims,
                                                     self.kv_bytes_per_token_layer_rank)
         # CalibratedOp.time on arrays (no causal FLOPs in decode)
@@ -316,7 +324,7 @@ class LatencyModel:
             gpu = gpu + probe["all_to_all"]
         if "send_recv" in probe:
             gpu = gpu + probe["send_recv"]
-        launch = self.pp * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
+        launch = parts * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
         return gpu + launch + probe["cpu"]
 
 

@@ -8,9 +8,9 @@ An operator's work is (FLOPs, bytes, sequences, causal FLOPs): sim.latency.calib
 
 Attention is per GPU and per layer. Decode reads every cached token of every sequence and
 computes each query head's scores and weighted values over it; a prefill chunk of q new tokens
-after c cached ones attends to q * c context pairs and q (q + 1) / 2 causal pairs, the latter
-with their own efficiency (FlashAttention's diagonal tiles and the few thread blocks of a short
-chunk: on Vidur's A100 timings a causal pair costs about 3.5x a context pair). A ring all-reduce
+after c cached ones attends to q * c context pairs and q (q + 1) / 2 causal pairs, of which
+FlashAttention computes q (q + 128) / 2 (the diagonal's tiles whole), the latter with their own
+efficiency (the few thread blocks of a short chunk). A ring all-reduce
 moves 2 (n - 1) / n of the message per GPU over one direction of its link, a send/recv between
 pipeline stages the message once. The CPU's share of an
 engine step (schedule, prepare inputs, sample, process outputs) has no FLOPs or bytes: it is
@@ -28,6 +28,7 @@ from typing import Callable, Mapping
 from sim.models import DTYPE_BYTES
 
 ACTIVATION_BYTES = 2  # bf16 queries and outputs
+CAUSAL_TILE = 128     # FlashAttention-2's query/key tile for head dim 128 (Dao, 2023)
 
 Work = tuple  # (flops, nbytes) or (flops, nbytes, num_seqs, causal_flops)
 
@@ -52,7 +53,10 @@ def attention_prefill_work(num_chunks: float, context_pairs: float, causal_pairs
     (KV read and written) and sum of q (queries read, outputs written)."""
     per_pair = 2.0 * q_heads * (qk_dim + v_dim)
     nbytes = kv_tokens * kv_bytes_per_token + new_tokens * q_heads * (qk_dim + v_dim) * ACTIVATION_BYTES
-    return per_pair * context_pairs, nbytes, num_chunks, per_pair * causal_pairs
+    # FlashAttention skips the tiles above the diagonal and computes the diagonal ones whole: a
+    # chunk of q tokens computes q (q + TILE) / 2 causal pairs, not q (q + 1) / 2.
+    computed = causal_pairs + new_tokens * (CAUSAL_TILE - 1) / 2
+    return per_pair * context_pairs, nbytes, num_chunks, per_pair * computed
 
 
 def all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
