@@ -280,7 +280,8 @@ def measured_ceilings(frame, name: str, device_name: str) -> dict:
                          "with both")
     flops = float((2.0 * gemm.m * gemm.n * gemm.k / gemm.time_s).max())
     bandwidth = float((stream.bytes / stream.time_s).max())
-    unit = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.0, "source": "prior:measured ceiling"}
+    unit = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.0,
+            "source": "prior:not measured on this CPU (the measured ceilings, no fixed cost)"}
     return {"name": name, "gpu_name": device_name, "source": "measured",
             "reference": "measured ceilings of this CPU (calibration.bench.measured_ceilings)",
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

@@ -143,6 +143,10 @@ def predict_task(cfg: DictConfig) -> None:
     print(f"wrote {len(result)} predictions to {cfg.out}")
 
 
+def flops_text(flops: float) -> str:
+    return f"{flops / 1e12:.0f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+
 def show_task(cfg: DictConfig) -> None:
     """A profile's parameters, provenance and fit quality."""
     profile = profile_json(cfg.gpu)
@@ -150,13 +154,16 @@ def show_task(cfg: DictConfig) -> None:
           + (f"  date={profile['date']}" if profile.get("date") else ""))
     print(f"memory {profile['memory_bytes'] / 2**30:.1f} GiB  "
           f"HBM {profile['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s  "
-          f"bf16 {profile['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+          f"bf16 {flops_text(profile['bf16_flops_per_s'])}")
     for name, op in profile["operators"].items():
         print(f"  {name:<18} source={op.get('source', profile['source']):<9} "
               f"e_c={op.get('compute_efficiency', op.get('link_efficiency', 1)):.3f} "
               f"e_m={op.get('memory_efficiency', op.get('link_efficiency', 1)):.3f} t0={op['t0_s'] * 1e6:.1f}us"
               + (f" per_seq={op['per_seq_s'] * 1e6:.2f}us" if op.get("per_seq_s") else "")
               + ("  +correction table" if op.get("correction") else ""))
+    for name, source in load_profile(cfg.gpu).provenance().items():
+        if name not in profile["operators"]:  # what the simulator uses for an operator the file lacks
+            print(f"  {name:<18} source={source}")
     for op, numbers in profile.get("fit_report", {}).items():
         for split in ("held_out_classes", "extrapolation"):
             if split in numbers:

@@ -15,6 +15,7 @@ import pandas as pd
 
 from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
+from sim.latency.operators import ring_latency_split
 from sim.latency.profile import FALLBACKS, OPERATORS
 
 SIMULATOR_OPERATORS = set(OPERATORS) | set(FALLBACKS)  # what sim.latency.profile reads
@@ -183,6 +184,14 @@ def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
     columns = (rows.tc.to_numpy(), rows.tm.to_numpy(), rows.seqs.to_numpy(), rows.tk.to_numpy())
     if not (columns[0].any() or columns[1].any() or columns[3].any()):
         return fit_overhead(columns[2], rows.t.to_numpy())
+    if op == "all_reduce" and np.ptp(columns[2]) == 0:
+        # One GPU count cannot tell the ring's base latency from its per-step one: NCCL's split.
+        params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), tk=columns[3],
+                              prior_compute_efficiency=prior["compute_efficiency"],
+                              prior_memory_efficiency=prior["memory_efficiency"])
+        base, per_step = ring_latency_split(params["t0_s"] + params["per_seq_s"] * columns[2][0],
+                                            columns[2][0] / 2 + 1)
+        return {**params, "t0_s": base, "per_seq_s": per_step}
     params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), n=columns[2], tk=columns[3],
                           prior_compute_efficiency=prior["compute_efficiency"],
                           prior_memory_efficiency=prior["memory_efficiency"])
@@ -267,6 +276,8 @@ def fit_profile(frame: pd.DataFrame, base: dict, *, name: str, source: str, orig
         report[op] = {"fit": roofline_params(params), **evaluate(rows, base, op, datasheet)}
         key = operator_key(op)
         fitted = {**params, "source": provenance(source, rows), "origin": origin}
+        if op == "all_reduce" and rows.seqs.nunique() == 1:
+            fitted["source"] += "; latency split per ring step as NCCL's tuning.cc"
         if key in profile["operators"] or key in SIMULATOR_OPERATORS:
             profile["operators"][key] = fitted
         else:

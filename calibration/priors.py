@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from sim.latency.operators import NCCL_NVLINK_STEP_S, NCCL_RING_LL_BASE_S
+
 # All-reduce over 8 H200s (NVLink 4 switch, NCCL 2.27.7, torch.distributed): stas00/ml-engineering
 # network/benchmarks/results/all-reduce-8xH200.md, busbw in GB/s by message size; time = size /
 # algbw, algbw = busbw * n / (2 (n - 1)). The H100's HGX board has the same NVLink 4 switches
@@ -49,7 +51,7 @@ CPU_STEP = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.868e-
             "source": "prior:Vidur's Sarathi-Serve cpu_overheads on an A100 host (CodeLlama-34B TP 2), "
                       "0.868 ms + 36.2 us per sequence; this GPU's host not measured"}
 ATTENTION_T0_S = 4e-6
-NCCL_RING_LL_BASE_S, NCCL_STEP_S = 6.6e-6, {"nvlink": 0.6e-6, "pcie": 1.0e-6}
+NCCL_STEP_S = {"nvlink": NCCL_NVLINK_STEP_S, "pcie": 1.0e-6}
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,9 @@ def with_priors(profile: dict) -> dict:
             "t0_s": GEMM_T0.value, "source": f"{priors.gemm.source}; {priors.memory.source}; {GEMM_T0.source}"}
     attention = {"compute_efficiency": 0.5, "memory_efficiency": priors.memory.value, "t0_s": ATTENTION_T0_S,
                  "source": f"prior:compute 0.5 assumed (no attention timings of this GPU); {priors.memory.source}"}
-    steps = 2 * (8 - 1)  # the per-call latency of an 8-GPU ring (NCCL's LL protocol)
-    allreduce = {"link_efficiency": priors.link.value,
-                 "t0_s": round(NCCL_RING_LL_BASE_S + steps * NCCL_STEP_S[priors.fabric], 9),
-                 "source": f"{priors.link.source}; NCCL tuning.cc ring LL latency for 8 GPUs"}
+    allreduce = {"link_efficiency": priors.link.value, "t0_s": NCCL_RING_LL_BASE_S,
+                 "per_seq_s": NCCL_STEP_S[priors.fabric],
+                 "source": f"{priors.link.source}; NCCL tuning.cc ring LL latency (base + per step)"}
     send_recv = {"link_efficiency": priors.link.value,
                  "t0_s": round(NCCL_RING_LL_BASE_S + NCCL_STEP_S[priors.fabric], 9),
                  "source": f"{priors.link.source}; NCCL tuning.cc LL latency of one step"}
@@ -170,7 +171,8 @@ def nvlink4_all_reduce(base: dict) -> dict:
     rows = pd.DataFrame([{"op": "all_reduce", "bytes": size, "num_gpus": 8,
                           "time_s": size / (busbw * 8 / (2 * 7))} for size, busbw in H200_ALL_REDUCE_BUSBW.items()])
     params = fit_op(prepare(rows, "all_reduce", base), base, "all_reduce")
-    return {**params, "source": f"imported:{ALL_REDUCE_SOURCE} ({len(rows)} sizes)"}
+    return {**params, "source": f"imported:{ALL_REDUCE_SOURCE} ({len(rows)} sizes); latency split per ring "
+                                f"step as NCCL's tuning.cc"}
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ TRACE_SELECTED_ENV = "KVSIM_TRACE_SCENARIO_SELECTED"  # set by `python -m sim` w
 
 def profile_line(latency_profile: dict) -> str:
     """Which GPU profile timed the run, and where each operator's figures come from."""
-    sources = "; ".join(f"{op} {source}" for op, source in latency_profile.get("operators", {}).items())
+    sources = " | ".join(f"{op} {source}" for op, source in latency_profile.get("operators", {}).items())
     return f"step times: gpu profile {latency_profile['gpu']} ({sources})"
 
 
@@ -174,8 +174,10 @@ def validate_task(cfg: DictConfig) -> None:
 
     table = validation.run_rows(frame, simulate, lambda name: load_model(name).max_position_embeddings or 0,
                                 validation.QUICK_MAX_PROMPTS if cfg.quick else None)
-    summary = validation.summarize(table)
+    summary = validation.summarize(table, quick=bool(cfg.quick and not cfg.rows))
     out_dir = Path(cfg.out_dir)
+    if summary.quick and cfg.out_dir == "results/validation":  # never over a full run's results
+        out_dir = out_dir / "quick"
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".partial-") as staging:
         staged = Path(staging)

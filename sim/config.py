@@ -195,7 +195,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["serving_overhead_s"] >= 0, "serving_overhead_s",
              f"serving_overhead_s={c['serving_overhead_s']} is negative", "give seconds >= 0 (0: none)")
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
-             f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1", "use 1, 2, 4 or 8")
+             f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1",
+             "use 1 or more stages (at most the model's layers; uneven splits are allowed, as in vLLM)")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",

@@ -77,10 +77,15 @@ def format_serving(comparison: pd.DataFrame) -> str:
 
 
 def run_title(cfg, hydra_cfg=None) -> str:
-    """model, GPU, TP, replicas, scenario and, in a sweep, the job's overrides."""
+    """model, GPU, parallelism and precision (where not the default), replicas, scenario and, in a
+    sweep, the job's overrides."""
     scenario = hydra_cfg.runtime.choices.get("scenario") if hydra_cfg is not None else None
+    extra = "".join(f" {key}={value}" for key, value, default in (
+        ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
+        ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
+        ("quantization", cfg.get("quantization"), None)) if value != default)
     title = (f"scenario={scenario} model={cfg.model.name} gpu={cfg.gpu} "
-             f"tensor_parallel_size={cfg.tensor_parallel_size} "
+             f"tensor_parallel_size={cfg.tensor_parallel_size}{extra} "
              f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
     if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
         swept = " ".join(o for o in hydra_cfg.overrides.task if not o.startswith("hydra"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -114,8 +115,9 @@ def prepare(cfg: DictConfig) -> Setup:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
     if spec.enable_expert_parallel and not (model.num_moe_layers and spec.tensor_parallel_size > 1):
-        log.warning("enable_expert_parallel=true has no effect: %s", f"{model.name} has no experts"
-                    if not model.num_moe_layers else "tensor_parallel_size=1 leaves one GPU per expert group")
+        why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
+        print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
+              file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)

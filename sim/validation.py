@@ -99,8 +99,13 @@ class Summary:
     num_within: int
     median_abs_error: float
     worst: str
+    quick: bool = False
 
     def lines(self) -> list[str]:
+        if self.quick:
+            return [f"quick: {self.num_rows} rows with at most {QUICK_MAX_PROMPTS} prompts each check that the "
+                    f"suite runs, not its figures ({self.num_within} within {WITHIN:.0%}, median absolute "
+                    f"error {self.median_abs_error:.1%}); python -m sim validate runs every row in full"]
         return [f"rows: {self.num_rows} published results, {self.num_run} run, "
                 f"{self.num_within} within {WITHIN:.0%} ({self.num_within / self.num_rows:.0%} of all rows; "
                 f"target 90%)",
@@ -108,13 +113,14 @@ class Summary:
                 f"worst: {self.worst}"]
 
 
-def summarize(table: pd.DataFrame) -> Summary:
+def summarize(table: pd.DataFrame, quick: bool = False) -> Summary:
     ran = table[table.status != "not run"]
     errors = ran.error.abs()
     worst = ran.loc[errors.idxmax()] if len(ran) else None
     return Summary(len(table), len(ran), int((errors <= WITHIN).sum()),
                    float(errors.median()) if len(ran) else math.nan,
-                   f"{worst.id} {worst.metric} kvsim/published {worst.ratio:.2f}" if worst is not None else "none")
+                   f"{worst.id} {worst.metric} kvsim/published {worst.ratio:.2f}" if worst is not None else "none",
+                   quick)
 
 
 def status(row: dict, error: float | None) -> tuple[str, str]:

@@ -55,8 +55,8 @@ def test_quick_validation_writes_table_markdown_and_plot(tmp_path):
     assert list(table.id) == list(validation.QUICK_ROWS)
     assert (table.kvsim > 0).all() and (table.ratio == table.kvsim / table.published).all()
     assert (tmp_path / "v" / "validation.png").stat().st_size > 1000
-    assert "median absolute error" in (tmp_path / "v" / "validation.md").read_text()
-    assert "within 20%" in out.stdout
+    assert "not its figures" in (tmp_path / "v" / "validation.md").read_text()
+    assert "within 20%" in out.stdout and "target" not in out.stdout  # quick mode claims no targets
 
 
 def test_unknown_row_ids_are_refused_in_one_line(tmp_path):

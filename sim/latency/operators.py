@@ -59,8 +59,23 @@ def attention_prefill_work(num_chunks: float, context_pairs: float, causal_pairs
     return per_pair * context_pairs, nbytes, num_chunks, per_pair * computed
 
 
+# NCCL's latency model (src/graph/tuning.cc): a ring's LL all-reduce costs a base latency plus one
+# per step, 2 (n - 1) steps over n GPUs; per step 0.6 us over NVLink.
+NCCL_RING_LL_BASE_S, NCCL_NVLINK_STEP_S = 6.6e-6, 0.6e-6
+
+
 def all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
-    return 0.0, 2.0 * (num_gpus - 1) / num_gpus * message_bytes
+    """A ring all-reduce: 2 (n - 1) / n of the message per GPU, and its 2 (n - 1) steps in the
+    sequences slot (each step has its own latency, per_seq_s)."""
+    return 0.0, 2.0 * (num_gpus - 1) / num_gpus * message_bytes, 2.0 * (num_gpus - 1), 0.0
+
+
+def ring_latency_split(latency_s: float, num_gpus: float) -> tuple[float, float]:
+    """A measured all-reduce latency at one GPU count as (base, per step) in NCCL's proportions,
+    so that it scales with the GPU count as NCCL's model does."""
+    steps = 2.0 * (num_gpus - 1)
+    base_share = NCCL_RING_LL_BASE_S / (NCCL_RING_LL_BASE_S + steps * NCCL_NVLINK_STEP_S)
+    return latency_s * base_share, latency_s * (1 - base_share) / steps
 
 
 def send_recv_work(message_bytes: float) -> Work:

@@ -36,6 +36,11 @@ class BenchSpec:
         except (TypeError, ValueError):
             raise ConfigError(f"scenario.request_rate={self.request_rate} is not a number, "
                               f"scenario bench, give requests per second or inf") from None
+        for key in ("input_len", "output_len", "num_prompts", "max_concurrency"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"scenario.{key}={value} is not a whole number, scenario bench, "
+                                  f"give an integer" + (" or null" if key == "max_concurrency" else ""))
         problems = []
         if self.input_len < 1 or self.output_len < 1:
             problems.append("input_len and output_len must be >= 1")
@@ -50,8 +55,7 @@ class BenchSpec:
         if not self.burstiness > 0:
             problems.append("burstiness must be > 0")
         if problems:
-            raise ConfigError(f"{'; '.join(problems)}, scenario bench, fix scenario.<key> "
-                              f"(e.g. scenario.input_len=1024 scenario.output_len=128)")
+            raise ConfigError(f"{'; '.join(problems)}, scenario bench, fix those scenario.* keys")
 
     def lengths(self, rng: np.random.Generator, mean: int) -> np.ndarray:
         if self.range_ratio == 0:

@@ -62,3 +62,15 @@ def test_nvlink4_all_reduce_follows_the_measured_sizes_of_8_h200s():
         errors = [latency._allreduce(size) / (size / (busbw * 8 / 14)) - 1
                   for size, busbw in H200_ALL_REDUCE_BUSBW.items()]
         assert max(abs(e) for e in errors) < 0.25 and sum(abs(e) for e in errors) / len(errors) < 0.1
+
+
+def test_all_reduce_latency_grows_with_the_ring_so_tp2_decode_beats_tp1():
+    from sim.latency import BatchShape, LatencyModel
+    from sim.latency.operators import NCCL_NVLINK_STEP_S, NCCL_RING_LL_BASE_S
+    from sim.models import load_model
+    shape = BatchShape(num_decode_seqs=1, decode_context_tokens=1000, num_sampled=1)
+    steps = {tp: LatencyModel(load_model("llama31_8b"), load_profile("h100"), tp, "bf16") for tp in (1, 2, 8)}
+    latency = {tp: model._allreduce(1024) for tp, model in steps.items() if tp > 1}
+    nccl = {n: NCCL_RING_LL_BASE_S + 2 * (n - 1) * NCCL_NVLINK_STEP_S for n in (2, 8)}
+    assert latency[8] / latency[2] == pytest.approx(nccl[8] / nccl[2], rel=0.02)  # NCCL's ring proportions
+    assert steps[2].step_time(shape) < steps[1].step_time(shape)
