@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from importlib import resources
 from typing import Callable, NamedTuple
 
 import hydra
@@ -137,13 +138,22 @@ def num_sweep_jobs(overrides: list[str], sweeper_params: dict | None = None) -> 
     return jobs
 
 
+def _group_choices(overrides: list[str]) -> list[str]:
+    """The overrides that choose a config group option (scenario=bench, +experiment=golden)."""
+    groups = {p.name for p in resources.files(CONFIG_MODULE).iterdir() if p.is_dir()}
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in groups]
+
+
 def _guilty(config_name: str, overrides: list[str]) -> str | None:
-    """The first override that fails on its own, to name it in the error line."""
+    """The first override that fails with the command line's group choices alone (a key of
+    scenario=bench is only valid with it), to name it in the error line."""
+    choices = _group_choices(overrides)
     for override in overrides:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                compose(config_name=config_name, overrides=[override], return_hydra_config=True)
+                together = [override] if override in choices else [*choices, override]
+                compose(config_name=config_name, overrides=together, return_hydra_config=True)
         except Exception:  # noqa: BLE001 - any failure names this override
             return override
         finally:

@@ -43,7 +43,12 @@ def commented_keys(config_name: str) -> list[tuple[str, str, str]]:
     text = (resources.files(CONFIG_MODULE) / f"{config_name}.yaml").read_text()
     keys, parents = [], []
     for line in text.splitlines():
-        if line.strip().startswith(("#", "-")) or not line.strip():
+        stripped = line.strip()
+        if stripped.startswith("#") and keys and line.index("#") > 30:  # a key's comment, continued
+            dotted, default, comment = keys[-1]
+            keys[-1] = (dotted, default, f"{comment} {stripped.lstrip('#').strip()}")
+            continue
+        if stripped.startswith(("#", "-")) or not stripped:
             continue
         indent = len(line) - len(line.lstrip())
         parents = [(i, name) for i, name in parents if i < indent]

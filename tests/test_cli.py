@@ -110,6 +110,7 @@ def test_multirun_sweeps(tmp_path):
     (["trace-stats", "scenario=chat", "trace.path=sample:mooncake"], ["trace-stats describes scenario=chat"]),
     (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
     (["run", "scenario=bench", "scenario.request_rate=0"], ["request_rate must be > 0", "scenario bench"]),
+    (["run", "scenario=bench", "scenario.num_prompts=20", "enforce_eager=maybe"], ["override 'enforce_eager=maybe'"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)
