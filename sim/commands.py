@@ -18,9 +18,14 @@ TRACE_SELECTED_ENV = "KVSIM_TRACE_SCENARIO_SELECTED"  # set by `python -m sim` w
 
 
 def profile_line(latency_profile: dict) -> str:
-    """Which GPU profile timed the run, and where each operator's figures come from."""
-    sources = " | ".join(f"{op} {source}" for op, source in latency_profile.get("operators", {}).items())
-    return f"step times: gpu profile {latency_profile['gpu']} ({sources})"
+    """Which GPU profile timed the run, and which of its operators are measured, imported or
+    priors (the full sources: metrics.json's latency_profile, or `python -m calibration show`)."""
+    kinds: dict[str, list[str]] = {}
+    for op, source in latency_profile.get("operators", {}).items():
+        kinds.setdefault(source.split(":", 1)[0], []).append(op)
+    parts = "; ".join(f"{kind}: {', '.join(ops)}" for kind, ops in kinds.items())
+    return (f"step times: gpu profile {latency_profile['gpu']} ({parts}); sources: "
+            f"python -m calibration show gpu={latency_profile['gpu']}")
 
 
 def run_task(cfg: DictConfig) -> None:
