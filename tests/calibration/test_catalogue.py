@@ -168,6 +168,23 @@ def test_kv_copies_and_swaps_in_the_simulator_equal_predict(tmp_path):
     assert times["swap"] == pytest.approx(out[1], rel=1e-12)
 
 
+def test_cpu_step_send_recv_and_all_to_all_in_the_simulator_equal_predict(tmp_path):
+    model, profile = load_model("deepseek_v3"), load_profile("h200")
+    latency = LatencyModel(model, profile, 8, "bf16", pipeline_parallel_size=2, expert_parallel=True)
+    shape = BatchShape(num_decode_seqs=6, decode_context_tokens=6000, num_sampled=6)
+    times = latency.breakdown(shape)
+    micro = 3  # 6 sequences in 2 micro-batches
+    message = micro * model.hidden_size * 2
+    dispatch = latency.moe.all_to_all_bytes(micro)
+    out = predicted(tmp_path, [{"op": "cpu_step", "batch_size": micro},
+                               {"op": "send_recv", "bytes": message},
+                               {"op": "all_to_all", "bytes": dispatch, "num_gpus": 8},
+                               {"op": "all_to_all", "bytes": message, "num_gpus": 8}], gpu="h200").time_s.tolist()
+    assert times["cpu"] == pytest.approx(2 * out[0], rel=1e-12)
+    assert times["send_recv"] == pytest.approx(out[1], rel=1e-12)
+    assert times["all_to_all"] == pytest.approx(model.num_moe_layers * (2 * out[2] + out[3]), rel=1e-12)
+
+
 def test_attention_fitted_up_to_2048_tokens_extrapolates_beyond_within_15_percent():
     """The issue's judgement: Vidur's rows beyond 2,048 tokens, which the fit never saw."""
     from calibration.fit import operator_params, predict
