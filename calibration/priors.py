@@ -26,7 +26,8 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
 - Vidur's H100 GEMM timings (microsoft/vidur e26eb8f7, data/profiling/compute/h100/meta-llama/
   Llama-2-7b-hf/mlp.csv, TP 1 rows): the packaged h100 GEMM is fitted to them (import-vidur).
 - Vidur's cpu_overheads.csv (microsoft/vidur e2d00e9, Sarathi-Serve on an A100 host, CodeLlama-34B
-  TP 2): fitted 0.868 ms + 36.2 us per sequence per step (calibration/reports/a100_80g).
+  TP 2): schedule + prepare inputs + sampler 0.769 ms + 6.9 us per sequence, output processing
+  0.093 ms + 29.4 us per sequence, per step (calibration/reports/a100_80g).
 """
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ ALL_REDUCE_SOURCE = "stas00 all-reduce-8xH200 (torch.distributed, NCCL 2.27.7)"
 KERNEL_LAUNCH_S, GRAPH_LAUNCH_S = 4.7e-6, 15e-6
 LAUNCH_SOURCE = ("prior:tritonbench PR #1017 (Triton launcher 4.7 us per kernel) and ocannl issue "
                  "#488 (a CUDA-graph replay about 15 us)")
-CPU_STEP = {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": 0.868e-3, "per_seq_s": 36.2e-6,
-            "source": "prior:Vidur's Sarathi-Serve cpu_overheads on an A100 host (CodeLlama-34B TP 2), "
-                      "0.868 ms + 36.2 us per sequence; this GPU's host not measured"}
+def _sarathi(t0_s: float, per_seq_s: float, what: str) -> dict:
+    return {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": t0_s, "per_seq_s": per_seq_s,
+            "source": f"prior:Vidur's Sarathi-Serve cpu_overheads on an A100 host (CodeLlama-34B TP 2), {what} "
+                      f"{t0_s * 1e3:.3f} ms + {per_seq_s * 1e6:.1f} us per sequence; this GPU's host not measured"}
+
+
+CPU_STEP = _sarathi(0.769e-3, 6.9e-6, "schedule + prepare inputs + sampler:")
+CPU_OUTPUT = _sarathi(0.093e-3, 29.4e-6, "output processing:")
 ATTENTION_T0_S = 4e-6
 NCCL_STEP_S = {"nvlink": NCCL_NVLINK_STEP_S, "pcie": 1.0e-6}
 
@@ -124,7 +130,7 @@ def with_priors(profile: dict) -> dict:
                  "t0_s": round(NCCL_RING_LL_BASE_S + NCCL_STEP_S[priors.fabric], 9),
                  "source": f"{priors.link.source}; NCCL tuning.cc LL latency of one step"}
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
-                    "allreduce": allreduce, "send_recv": send_recv, "cpu_step": CPU_STEP}
+                    "allreduce": allreduce, "send_recv": send_recv, "cpu_step": CPU_STEP, "cpu_output": CPU_OUTPUT}
     if priors.gemm_fp8 and _kept(ops.get("gemm")):  # the fitted 16-bit GEMM, at the measured FP8/BF16 ratio
         fitted, ratio = ops["gemm"], priors.gemm_fp8.value / priors.gemm.value
         replacements["gemm_fp8"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
@@ -158,7 +164,7 @@ def same_chip(profile: dict, sibling: dict) -> dict:
         own = ops.get(name)
         if _kept(own) and "(same chip)" not in own["source"]:
             continue  # fitted on this GPU's own data
-        if _kept(op) and name != "cpu_step" and "(same chip)" not in op["source"]:
+        if _kept(op) and not name.startswith("cpu_") and "(same chip)" not in op["source"]:
             ops[name] = {**op, "source": f"{op['source']} on the {sibling['gpu_name']} (same chip)"}
     return {**profile, "operators": ops}
 

@@ -121,21 +121,25 @@ def import_attention(path: Path, gpu: str) -> list[dict]:
     return rows
 
 
-CPU_PARTS = ("schedule", "prepare_inputs_e2e", "sampler_e2e", "process_model_outputs")
+CPU_PARTS = {"cpu_step": ("schedule", "prepare_inputs_e2e", "sampler_e2e"),
+             "cpu_output": ("process_model_outputs",)}
 
 
 def import_cpu_overheads(path: Path, gpu: str) -> list[dict]:
-    """Vidur's cpu_overheads.csv -> cpu_step rows (seconds per engine step, by batch size)."""
-    needed = ("model_name", "batch_size", "tensor_parallel_degree") + tuple(f"{p}_median" for p in CPU_PARTS)
+    """Vidur's cpu_overheads.csv -> cpu_step rows (schedule + prepare inputs + sampler) and
+    cpu_output rows (process outputs), seconds per engine step, by batch size."""
+    needed = ("model_name", "batch_size", "tensor_parallel_degree") + tuple(
+        f"{p}_median" for parts in CPU_PARTS.values() for p in parts)
     frame = _read(path, needed, "Vidur's data/profiling/<gpu>/cpu_overheads.csv")
     rows = []
     for line, row in enumerate(frame.to_dict("records"), start=2):
-        parts = [row[f"{p}_median"] for p in CPU_PARTS]
-        if any(value != value for value in parts):  # NaN
-            raise RawError(f"row without its CPU times, {path}:{line}, give Vidur's whole cpu_overheads.csv")
-        rows.append({"op": "cpu_step", "batch_size": int(row["batch_size"]),
-                     "tp": int(row["tensor_parallel_degree"]), "time_s": sum(parts) / 1e3,
-                     "source": f"vidur:cpu_overheads:{row['model_name']}", "gpu": gpu})
+        for op, parts in CPU_PARTS.items():
+            values = [row[f"{p}_median"] for p in parts]
+            if any(value != value for value in values):  # NaN
+                raise RawError(f"row without its CPU times, {path}:{line}, give Vidur's whole cpu_overheads.csv")
+            rows.append({"op": op, "batch_size": int(row["batch_size"]),
+                         "tp": int(row["tensor_parallel_degree"]), "time_s": sum(values) / 1e3,
+                         "source": f"vidur:cpu_overheads:{row['model_name']}", "gpu": gpu})
     return rows
 
 

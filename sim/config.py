@@ -92,6 +92,7 @@ class RunConfig:
     pipeline_parallel_size: int = 1
     serving_overhead_s: float = 0.0
     enable_expert_parallel: bool = False
+    async_output_processing: bool = True
 
 
 @dataclass
@@ -166,6 +167,7 @@ class EngineSpec:
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
+    async_output_processing: bool = True  # output processing overlaps the next step's GPU work
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -251,4 +253,5 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
-        serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"])
+        serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
+        async_output_processing=c["async_output_processing"])

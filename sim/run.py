@@ -119,7 +119,7 @@ def prepare(cfg: DictConfig) -> Setup:
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
               file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
-                           spec.pipeline_parallel_size, spec.enable_expert_parallel)
+                           spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():

@@ -23,7 +23,7 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "enable_expert_parallel", "harness", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
+           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
            "not_run_reason", "caveat", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
@@ -73,6 +73,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append("enable_expert_parallel=true")
     if row["harness"] == "in-process":  # trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks
         keys.append("serving_overhead_s=0")
+    if row["async_output_processing"] == "false":  # vLLM before 0.6 (PR #7049)
+        keys.append("async_output_processing=false")
     if row["dataset"] == "sharegpt":
         return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
                 "scenario.arrival_rate_rps=1e9", "max_model_len=null"]

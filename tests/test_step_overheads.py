@@ -31,7 +31,7 @@ def models(profile, model="llama31_8b", tp=1):
 
 
 def gpu_part(times):
-    return sum(v for k, v in times.items() if k not in ("launch", "cpu"))
+    return sum(v for k, v in times.items() if k not in ("launch", "cpu", "cpu_output"))
 
 
 def test_graph_replay_pays_one_launch_and_eager_pays_what_the_gpu_does_not_hide():
@@ -95,13 +95,33 @@ def test_cpu_step_fit_recovers_known_parameters():
     assert "correction" not in params  # a straight line extrapolates; a table would hold its edges
 
 
-def test_vidur_cpu_overheads_become_cpu_step_rows_summing_the_four_host_parts():
+def test_vidur_cpu_overheads_split_into_the_critical_step_and_output_processing():
     path = DATA / "vidur_a100_2024_sample" / "cpu_overheads.csv"
     raw = pd.read_csv(path)
     rows = import_cpu_overheads(path, "a100")
-    assert len(rows) == len(raw) and {r["op"] for r in rows} == {"cpu_step"}
+    step = [r for r in rows if r["op"] == "cpu_step"]
+    output = [r for r in rows if r["op"] == "cpu_output"]
+    assert len(step) == len(output) == len(raw)
     first = raw.iloc[0]
-    parts = sum(first[f"{p}_median"] for p in ("schedule", "prepare_inputs_e2e", "sampler_e2e",
-                                               "process_model_outputs"))
-    assert rows[0]["time_s"] == pytest.approx(parts / 1e3)
-    assert rows[0]["batch_size"] == first["batch_size"]
+    critical = sum(first[f"{p}_median"] for p in ("schedule", "prepare_inputs_e2e", "sampler_e2e"))
+    assert step[0]["time_s"] == pytest.approx(critical / 1e3)
+    assert output[0]["time_s"] == pytest.approx(first["process_model_outputs_median"] / 1e3)
+    assert step[0]["batch_size"] == first["batch_size"]
+
+
+@pytest.mark.parametrize("num_seqs", [4, 256])
+def test_asynchronous_output_processing_hides_behind_the_gpu_and_a_synchronous_engine_pays_it(num_seqs):
+    model, profile = load_model("llama31_8b"), load_profile("a100_80g")
+    overlapped = LatencyModel(model, profile, 1, "bf16", VLLM_CAPTURE_SIZES, async_output_processing=True)
+    serial = LatencyModel(model, profile, 1, "bf16", VLLM_CAPTURE_SIZES, async_output_processing=False)
+    shape = decode(num_seqs)
+    a, s = overlapped.breakdown(shape), serial.breakdown(shape)
+    output = serial.cpu_output_time(num_seqs)
+    assert s["cpu_output"] == output > 0
+    assert a["cpu_output"] == max(0.0, output - gpu_part(a))
+    assert overlapped.step_time(shape) < serial.step_time(shape)
+    contexts = np.arange(num_seqs * 500, num_seqs * 500 + num_seqs * 20, num_seqs)
+    for latency in (overlapped, serial):
+        stepped = [latency.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
+                                                num_sampled=num_seqs)) for c in contexts]
+        assert latency.decode_step_times(num_seqs, contexts).tolist() == stepped

@@ -9,7 +9,11 @@ touches), LM head over the sampled positions, prefill attention (FLOPs of the ca
 its cached context), decode attention (KV bytes read), two ring all-reduces per layer. Then the
 host's share of the step:
 
-    step = GPU time + launch + CPU step (t0 + per sequence, the profile's cpu_step operator)
+    step = GPU time + launch + CPU step + output processing
+    CPU step (schedule, prepare inputs, sample; the profile's cpu_step) = t0 + per sequence
+    output processing (cpu_output, t0 + per sequence) = all of it in a synchronous engine, or
+        with asynchronous output processing (vLLM PR #7049; SGLang's and TensorRT-LLM's overlap
+        schedulers) only what the step's GPU work does not hide
     launch = graph replay cost                        decode batch within the CUDA-graph sizes
            = max(0, kernels x per-kernel launch - GPU time)   otherwise (eager: the host issues
                                                               kernels while the GPU runs them)
@@ -87,7 +91,7 @@ class LatencyModel:
 
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, async_output_processing: bool = True):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
@@ -126,6 +130,8 @@ class LatencyModel:
         self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
+        self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
+        self.async_output = async_output_processing
         self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp > 1)
         self.moe = MoeLayer(model, tp, self.gemm, model.weight_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
@@ -174,7 +180,9 @@ class LatencyModel:
         if shape.num_tokens == 0:
             moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
                      **({"kv_copy": self.kv_copy_time(whole.copy_tokens)} if whole.copy_tokens else {})}
-            return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs)}
+            output = parts * self.cpu_output_time(num_seqs)
+            return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs),
+                    "cpu_output": 0.0 if self.async_output else output}
         graph = self.graph_size(shape)
         times = self._gpu_ops(shape, graph, parts)
         if self.pp > 1 and whole.num_prefill_tokens:
@@ -190,7 +198,13 @@ class LatencyModel:
         gpu = sum(times.values())
         times["launch"] = parts * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
         times["cpu"] = parts * self.cpu_time(num_seqs)
+        output = parts * self.cpu_output_time(num_seqs)
+        times["cpu_output"] = max(0.0, output - gpu) if self.async_output else output
         return times
+
+    def cpu_output_time(self, num_seqs: float) -> float:
+        """The host's output processing of a step (detokenise, build and stream responses)."""
+        return self.cpu_output_op.time("step", num_seqs, cpu_step_work)
 
     def micro_batches(self, num_seqs: int) -> int:
         """Micro-batches in flight: one per pipeline stage, but never more than sequences."""
@@ -325,7 +339,9 @@ class LatencyModel:
         if "send_recv" in probe:
             gpu = gpu + probe["send_recv"]
         launch = parts * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
-        return gpu + launch + probe["cpu"]
+        output = parts * self.cpu_output_time(num_seqs)
+        hidden = np.maximum(0.0, output - gpu) if self.async_output else output
+        return gpu + launch + probe["cpu"] + hidden
 
 
 # Kernels one eager forward pass launches, as vLLM's model code runs them (my reading of

@@ -13,8 +13,10 @@ FlashAttention computes q (q + 128) / 2 (the diagonal's tiles whole), the latter
 efficiency (the few thread blocks of a short chunk). A ring all-reduce
 moves 2 (n - 1) / n of the message per GPU over one direction of its link, a send/recv between
 pipeline stages the message once. The CPU's share of an
-engine step (schedule, prepare inputs, sample, process outputs) has no FLOPs or bytes: it is
-t0 + per_seq_s * sequences in the batch.
+engine step has no FLOPs or bytes: t0 + per_seq_s * sequences in the batch, for the critical
+part (cpu_step: schedule, prepare inputs, sample) and for processing the outputs (cpu_output:
+detokenise, build responses), which engines with asynchronous output processing overlap with
+the next step's GPU work.
 
 `CATALOGUE` gives each operator's shape columns (as predict reads them; head counts per GPU),
 its correction axis, its shape class and the split its extrapolation is judged on.
@@ -187,4 +189,7 @@ CATALOGUE = {
     "cpu_step": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
                          lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
                          "batch_size", peak="none", bandwidth="none", table=False),
+    "cpu_output": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
+                           lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
+                           "batch_size", peak="none", bandwidth="none", table=False),
 }

@@ -98,6 +98,11 @@ def _without_cpu_step(data: dict) -> dict:
             "source": "prior:the profile's fixed step_overhead_s (no cpu_step operator)"}
 
 
+def _without_cpu_output(data: dict) -> dict:
+    return {"t0_s": 0.0, "per_seq_s": 0.0,
+            "source": "prior:none (no cpu_output operator: output processing counted in cpu_step)"}
+
+
 def _without_gemm_fp8(data: dict) -> dict:
     """FP8 GEMMs without a figure of their own: the 16-bit GEMM's efficiencies, against the FP8 peak."""
     gemm = data["operators"]["gemm"]
@@ -127,7 +132,8 @@ def _without_all_to_all(data: dict) -> dict:
             "source": "prior:the all-reduce's link efficiency and latency (no all-to-all figure)"}
 
 
-FALLBACKS = {"cpu_step": _without_cpu_step, "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
+FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
+             "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
              "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "all_to_all": _without_all_to_all}
 
 
