@@ -144,8 +144,8 @@ class LatencyModel:
         self.capture_sizes = tuple(cudagraph_capture_sizes)
         self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
-        self._per_token_count: dict[int, tuple[float, float, float]] = {}
-        self._lm_head: dict[int, float] = {}
+        self._per_token_count: dict[float, tuple[float, float, float, float]] = {}
+        self._lm_head: dict[float, float] = {}
 
     def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
         """The profile's operator `name`, timed as the catalogue's `operator`."""
