@@ -44,7 +44,7 @@ def commented_keys(config_name: str) -> list[tuple[str, str, str]]:
     keys, parents = [], []
     for line in text.splitlines():
         stripped = line.strip()
-        if stripped.startswith("#") and keys and line.index("#") > 30:  # a key's comment, continued
+        if stripped.startswith("#") and keys and line.index("#") > 20:  # a key's comment, continued
             dotted, default, comment = keys[-1]
             keys[-1] = (dotted, default, f"{comment} {stripped.lstrip('#').strip()}")
             continue
