@@ -51,6 +51,9 @@ class ModelSpec:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     max_position_embeddings: int = 0
+    # FP8 weights scaled per block of weight_block_size x weight_block_size (0: per tensor or row),
+    # as a checkpoint's quantization_config.weight_block_size says.
+    weight_block_size: int = 0
 
     def __post_init__(self):
         where = f"model '{self.name}'"

@@ -99,3 +99,13 @@ def test_expert_parallelism_moves_routed_tokens_by_all_to_all_and_keeps_stretche
     stepped = [ep.step_time(BatchShape(num_decode_seqs=64, decode_context_tokens=int(c), num_sampled=64))
                for c in contexts]
     assert ep.decode_step_times(64, contexts).tolist() == stepped
+
+
+def test_block_scaled_fp8_gemms_run_at_fbgemms_measured_share_of_row_wise_fp8():
+    from sim.latency.calibrated import BLOCK_SCALED_FP8_SHARE, FP8_BLOCK, calibrated_gemm
+    gemm = calibrated_gemm(bare(load_profile("h200")))
+    compute_bound = (65536, 7168, 7168)
+    assert gemm.time(*compute_bound, FP8_BLOCK) == pytest.approx(
+        gemm.time(*compute_bound, "fp8") / BLOCK_SCALED_FP8_SHARE, rel=1e-9)
+    assert LatencyModel(load_model("deepseek_v3"), load_profile("h200"), 8, "bf16").gemm_dtype == FP8_BLOCK
+    assert "gemm_fp8_block" in load_profile("h200").provenance()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
+from sim.latency.calibrated import FP8_BLOCK, CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
@@ -107,7 +107,8 @@ class LatencyModel:
                                         / tp / self.pp)
         # GEMM shapes (n, k) per layer on one rank; times from the profile's calibrated GEMM.
         self.gemm = calibrated_gemm(profile)
-        self.gemm_dtype = model.weight_dtype
+        block_scaled = model.weight_dtype == "fp8" and model.weight_block_size and profile.fp8_flops_per_s
+        self.gemm_dtype = FP8_BLOCK if block_scaled else model.weight_dtype
         h = model.hidden_size
         self.attention_gemms = (
             mla_gemms(model, tp) if model.is_mla else
@@ -133,7 +134,7 @@ class LatencyModel:
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
         self.async_output = async_output_processing
         self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp > 1)
-        self.moe = MoeLayer(model, tp, self.gemm, model.weight_dtype,
+        self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
                             self.expert_parallel) if model.num_moe_layers else None
         self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, profile.link_bandwidth_bytes_per_s / 2)

@@ -47,7 +47,9 @@ class GpuProfile:
 
     def provenance(self) -> dict[str, str]:
         """Where each operator's parameters come from: measured, imported:<source> or prior:<how>."""
-        return {**{name: op.source for name, op in self.operators.items()}, "launch": self.launch_source}
+        derived = {"gemm_fp8_block": "prior:gemm_fp8 at 0.53 of its compute rate (FBGEMM PR #2546, H100: "
+                                     "blockwise FP8 with scaling against row-wise FP8)"} if self.fp8_flops_per_s else {}
+        return {**{name: op.source for name, op in self.operators.items()}, **derived, "launch": self.launch_source}
 
     def op(self, name: str) -> OperatorEfficiency:
         return self.operators[name]
