@@ -196,3 +196,41 @@ def test_attention_fitted_up_to_2048_tokens_extrapolates_beyond_within_15_percen
         assert len(held_out) > 200
         predicted = predict(held_out, profile, op, operator_params(profile, op))
         assert np.abs(predicted / held_out.t.to_numpy() - 1).mean() <= 0.15, op
+
+
+def link_profile():
+    base = json.loads((resources.files("calibration") / "profiles" / "h100.json").read_text())
+    return {**base, "link_bandwidth_bytes_per_s": 900e9, "hbm_bandwidth_bytes_per_s": 3.35e12,
+            "host_link_bytes_per_s": 64e9}
+
+
+@pytest.mark.parametrize("op,columns,bandwidth", [
+    ("send_recv", {}, 450e9), ("kv_copy", {"dtype": "bf16"}, 3.35e12), ("host_copy", {"pinned": True}, 64e9)])
+def test_fit_recovers_known_copy_and_transfer_parameters(op, columns, bandwidth):
+    from calibration.fit import fit_op
+    rng, t0, efficiency = np.random.default_rng(1), 9e-6, 0.6
+    rows = pd.DataFrame([{"op": op, "bytes": size, **columns,
+                          "time_s": (t0 + size / (bandwidth * efficiency)) * (1 + 0.01 * rng.standard_normal())}
+                         for size in np.geomspace(2**12, 2**30, 24)])
+    profile = link_profile()
+    params = fit_op(prepare(rows, op, profile), profile, op)
+    assert params["memory_efficiency"] == pytest.approx(efficiency, rel=0.05)
+    assert params["t0_s"] == pytest.approx(t0, rel=0.3)
+
+
+def test_fit_recovers_the_all_reduce_ring_latency_and_splits_one_gpu_count_as_nccl():
+    from calibration.fit import fit_op
+    from sim.latency.operators import ring_latency_split
+    base_s, step_s, efficiency = 8e-6, 1e-6, 0.8
+    def rows(counts):
+        return pd.DataFrame([{"op": "all_reduce", "bytes": size, "num_gpus": n,
+                              "time_s": base_s + 2 * (n - 1) * step_s + 2 * (n - 1) / n * size / (450e9 * efficiency)}
+                             for n in counts for size in np.geomspace(2**12, 2**30, 16)])
+    profile = link_profile()
+    both = fit_op(prepare(rows([2, 8]), "all_reduce", profile), profile, "all_reduce")
+    assert both["memory_efficiency"] == pytest.approx(efficiency, rel=0.05)
+    assert both["t0_s"] + 14 * both["per_seq_s"] == pytest.approx(base_s + 14 * step_s, rel=0.15)
+    one = fit_op(prepare(rows([8]), "all_reduce", profile), profile, "all_reduce")
+    latency = one["t0_s"] + 14 * one["per_seq_s"]
+    assert latency == pytest.approx(base_s + 14 * step_s, rel=0.15)  # the measured latency is kept
+    assert (one["t0_s"], one["per_seq_s"]) == pytest.approx(ring_latency_split(latency, 8))
