@@ -296,7 +296,8 @@ def provenance(source: str, rows: pd.DataFrame) -> str:
 
 def operator_key(op: str) -> str:
     """Op names -> the profile's operators (sim.latency.profile.OPERATORS)."""
-    return {"paged_decode": "attention_decode", "prefill": "attention_prefill", "all_reduce": "allreduce"}.get(op, op)
+    return {"paged_decode": "attention_decode", "prefill": "attention_prefill", "all_reduce": "allreduce",
+            "mla_decode": "attention_decode_mla"}.get(op, op)
 
 
 def operator_params(profile: dict, op: str) -> dict:

@@ -109,3 +109,17 @@ def test_block_scaled_fp8_gemms_run_at_fbgemms_measured_share_of_row_wise_fp8():
         gemm.time(*compute_bound, "fp8") / BLOCK_SCALED_FP8_SHARE, rel=1e-9)
     assert LatencyModel(load_model("deepseek_v3"), load_profile("h200"), 8, "bf16").gemm_dtype == FP8_BLOCK
     assert "gemm_fp8_block" in load_profile("h200").provenance()
+
+
+def test_mla_decode_is_timed_by_its_own_operator_when_a_profile_has_one():
+    from sim.latency.profile import OperatorEfficiency
+    profile = load_profile("h200")
+    assert profile.op("attention_decode_mla").source.startswith("prior:the attention_decode")
+    slower = dataclasses.replace(profile, operators={**profile.operators, "attention_decode_mla": OperatorEfficiency(
+        compute_efficiency=0.5, memory_efficiency=0.2, t0_s=4e-6, source="measured")})
+    shape = BatchShape(num_decode_seqs=32, decode_context_tokens=32 * 4000, num_sampled=32)
+    mla = [LatencyModel(load_model("deepseek_v3"), p, 8, "bf16").breakdown(shape)["attention_decode"]
+           for p in (profile, slower)]
+    gqa = [LatencyModel(load_model("llama31_70b"), p, 8, "bf16").breakdown(shape)["attention_decode"]
+           for p in (profile, slower)]
+    assert mla[1] > 2 * mla[0] and gqa[1] == gqa[0]

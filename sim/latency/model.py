@@ -128,7 +128,9 @@ class LatencyModel:
         self.attention_class = attention_class(self.heads_per_rank, model.num_kv_heads / kv_split,
                                                model.head_dim, kv_dtype)
         self.prefill_op = self._calibrated("attention_prefill", "attention_prefill", self.attn_peak, self.bw)
-        self.decode_op = self._calibrated("attention_decode", "attention_decode", self.attn_peak, self.bw)
+        # Decode attention per attention kind: MLA's latent kernel has its own operator.
+        decode = "attention_decode_mla" if model.is_mla else "attention_decode"
+        self.decode_op = self._calibrated(decode, "attention_decode", self.attn_peak, self.bw)
         self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)

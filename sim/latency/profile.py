@@ -129,6 +129,12 @@ def _without_host_copy(data: dict) -> dict:
             "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
 
 
+def _without_mla_decode(data: dict) -> dict:
+    """MLA's latent decode attention without timings of its own: the GQA/MHA decode kernel's."""
+    return {**data["operators"]["attention_decode"], "correction": None,
+            "source": "prior:the attention_decode operator's figures (no MLA decode timings)"}
+
+
 def _without_all_to_all(data: dict) -> dict:
     return {**data["operators"]["allreduce"], "correction": None,
             "source": "prior:the all-reduce's link efficiency and latency (no all-to-all figure)"}
@@ -136,7 +142,8 @@ def _without_all_to_all(data: dict) -> dict:
 
 FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
              "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
-             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "all_to_all": _without_all_to_all}
+             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "all_to_all": _without_all_to_all,
+             "attention_decode_mla": _without_mla_decode}
 
 
 def profile_from_dict(data: dict) -> GpuProfile:
