@@ -25,7 +25,7 @@ QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
            "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
-           "not_run_reason", "caveat", "source_url")
+           "not_run_reason", "caveat", "known_gap", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
 METRICS = {"output_throughput": ("output_throughput", False),
            "output_throughput_per_gpu": ("output_throughput", True),
@@ -126,12 +126,14 @@ def summarize(table: pd.DataFrame, quick: bool = False) -> Summary:
 
 
 def status(row: dict, error: float | None) -> tuple[str, str]:
-    """(status, explanation) of one row: not run, within, or a miss with the row's caveats."""
+    """(status, explanation) of one row: not run, within, or a miss with what kvsim does not model
+    for it (known_gap) and the source's caveats."""
     if error is None:
         return "not run", row["not_run_reason"]
+    explanation = "; ".join(part for part in (row.get("known_gap", ""), row["caveat"]) if part)
     if abs(error) <= WITHIN:
-        return "within", row["caveat"]
-    return "miss", row["caveat"] or "unexplained (see docs/validation.md)"
+        return "within", explanation
+    return "miss", explanation or "unexplained (see docs/validation.md)"
 
 
 def run_rows(frame: pd.DataFrame, simulate, native_window, max_prompts: int | None) -> pd.DataFrame:
@@ -174,7 +176,11 @@ def markdown(table: pd.DataFrame, summary: Summary) -> str:
         lines.append(f"| [{r['id']}]({r['source_url']}) | {r['engine']} | {r['gpu']} | {r['model']} | {r['tp']} | "
                      f"{r['lengths']} | {r['load']} | {r['metric']} ({r['unit']}) | {r['published']:.4g} | {kvsim} | "
                      f"{ratio} | {r['status']} |")
-    return "\n".join(["\n".join(f"- {line}" for line in summary.lines()), "", *lines]) + "\n"
+    misses = [f"- {r['id']} (kvsim/published {r['ratio']:.2f}): {r['explanation']}"
+              for r in table.to_dict("records") if r["status"] == "miss"]
+    return "\n".join(["\n".join(f"- {line}" for line in summary.lines()), "", *lines,
+                      *(["", "Misses and what kvsim does not model for them (or the source leaves open):", "", *misses]
+                        if misses else [])]) + "\n"
 
 
 def plot(table: pd.DataFrame, summary: Summary, path: Path) -> None:
