@@ -135,15 +135,17 @@ def launch_overhead_row(device: str, timer, warmup_ms: int, rep_ms: int) -> dict
 def benchmark(points, *, device: str, context: dict, timer=do_bench_timer, warmup_ms: int = 25,
               rep_ms: int = 100, progress=sys.stderr, backend: str = "triton") -> list[dict]:
     rows, started = [], time.perf_counter()
+    drawing = hasattr(progress, "isatty") and progress.isatty()  # a bar on a terminal, one line otherwise
     for index, (op, shape) in enumerate(points, start=1):
         fn, row = make_case(op, shape, device, backend)
         p20, p50, p80 = timer(fn, warmup_ms, rep_ms)
         rows.append({**row, "op": op, "time_s": p50, "time_s_p20": p20, "time_s_p80": p80, **context})
-        elapsed = time.perf_counter() - started
-        eta = elapsed / index * (len(points) - index)
-        bar = "#" * (30 * index // len(points))
-        print(f"\r[{bar:<30}] {index}/{len(points)} {op:<17} eta {eta:5.0f}s", end="", file=progress, flush=True)
-    print(file=progress)
+        if drawing:
+            elapsed = time.perf_counter() - started
+            eta = elapsed / index * (len(points) - index)
+            bar = "#" * (30 * index // len(points))
+            print(f"\r[{bar:<30}] {index}/{len(points)} {op:<17} eta {eta:5.0f}s", end="", file=progress, flush=True)
+    print("" if drawing else f"measured {len(points)} shapes in {time.perf_counter() - started:.0f} s", file=progress)
     rows.append({**launch_overhead_row(device, timer, warmup_ms, rep_ms), **context})
     return rows
 
