@@ -160,7 +160,7 @@ def validate_task(cfg: DictConfig) -> None:
     from sim.models import load_model
     from sim.run import run_all
 
-    frame = validation.read_published(Path(cfg.path) if cfg.path else validation.DEFAULT_PATH)
+    frame = validation.read_published(Path(cfg.path) if cfg.path else validation.default_path())
     if cfg.rows:
         unknown = sorted(set(cfg.rows) - set(frame.id))
         if unknown:

@@ -18,7 +18,13 @@ import pandas as pd
 
 from sim.errors import ConfigError
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "validation" / "published.csv"
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "validation" / "published.csv"  # in a clone
+
+
+def default_path() -> Path:
+    """The project's published.csv: beside the sources in a clone (or an editable install), else
+    under the current directory (a plain install does not carry it)."""
+    return DEFAULT_PATH if DEFAULT_PATH.is_file() else Path("validation") / "published.csv"
 WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
@@ -40,7 +46,8 @@ METRICS = {"output_throughput": ("output_throughput", False),
 def read_published(path: Path) -> pd.DataFrame:
     """The rows, or one line saying what is wrong with the file."""
     if not path.is_file():
-        raise ConfigError(f"no such file '{path}', key path, give validation/published.csv or a file like it")
+        raise ConfigError(f"no such file '{path}', key path, give path=<a clone of kvsim>/validation/published.csv "
+                          f"(the package install does not carry it) or a file like it")
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
