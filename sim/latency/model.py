@@ -131,7 +131,8 @@ class LatencyModel:
         # Decode attention per attention kind: MLA's latent kernel has its own operator.
         decode = "attention_decode_mla" if model.is_mla else "attention_decode"
         self.decode_op = self._calibrated(decode, "attention_decode", self.attn_peak, self.bw)
-        self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, profile.link_bandwidth_bytes_per_s / 2)
+        link = profile.link_bandwidth_bytes_per_s / 2  # one direction
+        self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, link)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
         self.async_output = async_output_processing
@@ -139,8 +140,8 @@ class LatencyModel:
         self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
                             self.expert_parallel) if model.num_moe_layers else None
-        self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, profile.link_bandwidth_bytes_per_s / 2)
-        self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, profile.link_bandwidth_bytes_per_s / 2)
+        self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, link)
+        self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, link)
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
@@ -165,7 +166,6 @@ class LatencyModel:
     def _gemms(self, tokens: int, shapes) -> float:
         time = self.gemm.time
         return sum(time(tokens, n, k, self.gemm_dtype) for n, k in shapes)
-
 
     def graph_size(self, shape: BatchShape) -> int:
         """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
@@ -250,7 +250,8 @@ class LatencyModel:
         return self.send_recv_op.time("p2p", nbytes, send_recv_work)
 
     def cpu_time(self, num_seqs: int) -> float:
-        """The host's step work (schedule, prepare inputs, sample, process outputs)."""
+        """The host's critical step work (schedule, prepare inputs, sample); output processing is
+        cpu_output_time."""
         return self.cpu_op.time("step", num_seqs, cpu_step_work)
 
     def _token_ops(self, tokens: int) -> tuple[float, float, float, float]:

@@ -153,6 +153,11 @@ class Operator:
                                                   # physical form alone, which extrapolates)
 
 
+# The host's share of a step (cpu_step, cpu_output): t0 + per_seq_s * sequences.
+HOST_STEP = Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
+                     lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
+                     "batch_size", peak="none", bandwidth="none", table=False)
+
 CATALOGUE = {
     "gemm": Operator(("m", "n", "k", "dtype"), lambda r: float(r["m"]),
                      lambda r: gemm_class(float(r["n"]), float(r["k"]), r["dtype"]),
@@ -186,10 +191,6 @@ CATALOGUE = {
     "host_copy": Operator(("bytes", "pinned"), lambda r: float(r["bytes"]), lambda r: f"pinned={r['pinned']}",
                           lambda r, b: copy_work(b), lambda r: float(r["bytes"]), (2**20, 2**21), "bytes",
                           peak="none", bandwidth="host"),
-    "cpu_step": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
-                         lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
-                         "batch_size", peak="none", bandwidth="none", table=False),
-    "cpu_output": Operator(("batch_size",), lambda r: float(r["batch_size"]), lambda r: "step",
-                           lambda r, n: cpu_step_work(n), lambda r: float(r["batch_size"]), (64, 65),
-                           "batch_size", peak="none", bandwidth="none", table=False),
+    "cpu_step": HOST_STEP,
+    "cpu_output": HOST_STEP,  # the same work model; its own fitted t0 and per-sequence cost
 }

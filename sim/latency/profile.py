@@ -112,12 +112,6 @@ def _without_gemm_fp8(data: dict) -> dict:
                               "for this GPU)"}
 
 
-def _without_send_recv(data: dict) -> dict:
-    """Send/recv between pipeline stages without a figure of its own: the all-reduce's link figures."""
-    return {**data["operators"]["allreduce"], "correction": None,
-            "source": "prior:the all-reduce's link efficiency and latency (no send/recv figure)"}
-
-
 def _without_kv_copy(data: dict) -> dict:
     gemm = data["operators"]["gemm"]
     return {"memory_efficiency": gemm["memory_efficiency"], "compute_efficiency": 1.0, "t0_s": gemm["t0_s"],
@@ -129,21 +123,22 @@ def _without_host_copy(data: dict) -> dict:
             "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
 
 
-def _without_mla_decode(data: dict) -> dict:
-    """MLA's latent decode attention without timings of its own: the GQA/MHA decode kernel's."""
-    return {**data["operators"]["attention_decode"], "correction": None,
-            "source": "prior:the attention_decode operator's figures (no MLA decode timings)"}
+def _borrowed(operator: str, figures: str, missing: str):
+    """An operator without figures of its own takes another operator's, without its correction
+    table (send/recv and all-to-all the all-reduce's link, MLA decode the GQA/MHA decode's)."""
+    def fallback(data: dict) -> dict:
+        return {**data["operators"][operator], "correction": None, "source": f"prior:{figures} (no {missing})"}
+    return fallback
 
 
-def _without_all_to_all(data: dict) -> dict:
-    return {**data["operators"]["allreduce"], "correction": None,
-            "source": "prior:the all-reduce's link efficiency and latency (no all-to-all figure)"}
-
-
+LINK_FIGURES = "the all-reduce's link efficiency and latency"
 FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
-             "gemm_fp8": _without_gemm_fp8, "send_recv": _without_send_recv,
-             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "all_to_all": _without_all_to_all,
-             "attention_decode_mla": _without_mla_decode}
+             "gemm_fp8": _without_gemm_fp8,
+             "send_recv": _borrowed("allreduce", LINK_FIGURES, "send/recv figure"),
+             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy,
+             "all_to_all": _borrowed("allreduce", LINK_FIGURES, "all-to-all figure"),
+             "attention_decode_mla": _borrowed("attention_decode", "the attention_decode operator's figures",
+                                               "MLA decode timings")}
 
 
 def profile_from_dict(data: dict) -> GpuProfile:
