@@ -184,17 +184,14 @@ def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
     columns = (rows.tc.to_numpy(), rows.tm.to_numpy(), rows.seqs.to_numpy(), rows.tk.to_numpy())
     if not (columns[0].any() or columns[1].any() or columns[3].any()):
         return fit_overhead(columns[2], rows.t.to_numpy())
-    if op == "all_reduce" and np.ptp(columns[2]) == 0:
-        # One GPU count cannot tell the ring's base latency from its per-step one: NCCL's split.
-        params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), tk=columns[3],
-                              prior_compute_efficiency=prior["compute_efficiency"],
-                              prior_memory_efficiency=prior["memory_efficiency"])
-        base, per_step = ring_latency_split(params["t0_s"] + params["per_seq_s"] * columns[2][0],
-                                            columns[2][0] / 2 + 1)
-        return {**params, "t0_s": base, "per_seq_s": per_step}
     params = fit_roofline(columns[0], columns[1], rows.t.to_numpy(), n=columns[2], tk=columns[3],
                           prior_compute_efficiency=prior["compute_efficiency"],
                           prior_memory_efficiency=prior["memory_efficiency"])
+    if op == "all_reduce" and np.ptp(columns[2]) == 0:
+        # One GPU count cannot tell the ring's base latency from its per-step one: NCCL's split.
+        base, per_step = ring_latency_split(params["t0_s"] + params["per_seq_s"] * columns[2][0],
+                                            columns[2][0] / 2 + 1)
+        params = {**params, "t0_s": base, "per_seq_s": per_step}
     if not OPS[op].table:  # the physical form extrapolates; a table would hold its edges
         return params
     return {**params, "correction": fit_table(rows, modelled(params, *columns)).to_json()}
