@@ -75,14 +75,19 @@ class CalibratedOp:
         self._monotone: dict[str, list[float]] = {}
 
     def time(self, shape_class: str, size: float, work: Work) -> float:
-        roof = self.roofline
         amounts = work(size)
+        if self.monotone and self.table is not None and size > 0:
+            roof = self.roofline
+            return self._monotone_time(shape_class, size, work, roof.time(*amounts), roof.datasheet_time(*amounts))
+        return self.corrected(shape_class, size, amounts)
+
+    def corrected(self, shape_class: str, size: float, amounts) -> float:
+        """The fitted time of this work times the class's factor at size (interpolated, not made
+        monotone), never below the datasheet roofline."""
+        roof = self.roofline
         fitted, floor = roof.time(*amounts), roof.datasheet_time(*amounts)
-        table = self.table
-        if table is None or size <= 0:
+        if self.table is None or size <= 0:
             return max(fitted, floor)
-        if self.monotone:
-            return self._monotone_time(shape_class, size, work, fitted, floor)
         return max(fitted * self.factor(shape_class, size), floor)
 
     def factor(self, shape_class: str, size: float) -> float:
@@ -127,22 +132,21 @@ class CalibratedGemm:
     def __init__(self, ops_by_dtype: dict[str, CalibratedOp]):
         self.ops_by_dtype = ops_by_dtype
 
+    def _op(self, dtype: str) -> tuple[CalibratedOp, str]:
+        """The calibrated op for a GEMM dtype and the dtype its operands are stored in."""
+        return self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"], "fp8" if dtype == FP8_BLOCK else dtype
+
     def time(self, m: float, n: float, k: float, dtype: str) -> float:
-        op = self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"]
-        stored = "fp8" if dtype == FP8_BLOCK else dtype
+        op, stored = self._op(dtype)
         return op.time(gemm_class(n, k, dtype), m, lambda size: gemm_work(size, n, k, stored))
 
     def grouped_time(self, m: float, groups: float, n: float, k: float, dtype: str) -> float:
         """One grouped-GEMM kernel of `groups` (m x k) @ (k x n) products (MoE experts): their
         summed work, one fixed cost, and the correction at the per-group m (small groups run
         small, inefficient tiles)."""
-        op = self.ops_by_dtype.get(dtype) or self.ops_by_dtype["default"]
-        flops, nbytes = gemm_work(m, n, k, "fp8" if dtype == FP8_BLOCK else dtype)
-        amounts = (groups * flops, groups * nbytes)
-        fitted, floor = op.roofline.time(*amounts), op.roofline.datasheet_time(*amounts)
-        if op.table is None or m <= 0:
-            return max(fitted, floor)
-        return max(fitted * op.factor(gemm_class(n, k, dtype), m), floor)
+        op, stored = self._op(dtype)
+        flops, nbytes = gemm_work(m, n, k, stored)
+        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops, groups * nbytes))
 
 
 def calibrated_gemm(profile) -> CalibratedGemm:
