@@ -64,6 +64,28 @@ def test_stretches_give_the_step_by_step_results(case):
         pd.testing.assert_frame_equal(a.timeline, b.timeline)
 
 
+COHORT_CASES = ["rag_agents", "sharegpt", "golden_memory_bound", "golden_block_1_lfu", "golden_swap",
+                "golden_unchunked", "parallel_samples", "vidur_matched", "prefix_fifo_lfu_chunk_capped"]
+
+
+@pytest.mark.parametrize("case", COHORT_CASES)
+def test_the_decode_cohort_gives_the_sequence_by_sequence_results(case, monkeypatch):
+    """The paged allocators advance leading decoders in arrays (sim.scheduler.cohort); without
+    that (as the contiguous and radix allocators run) every number and table is the same."""
+    overrides = [o for o in CASES[case] if not o.startswith("allocators=")] + ["allocators=[paged,prefix]"]
+    if case == "golden_swap":
+        overrides[-1] = "allocators=[paged]"
+    cohort = results(overrides, False)
+    monkeypatch.delattr(BlockAllocator, "decode_cohort")
+    plain = results(overrides, False)
+    for a, b in zip(cohort, plain):
+        ma, mb = flatten(a.metrics), flatten(b.metrics)
+        ma.pop("wall_time_s"), mb.pop("wall_time_s")
+        assert ma == mb, (case, a.allocator, [k for k in ma if ma[k] != mb.get(k)])
+        pd.testing.assert_frame_equal(a.requests, b.requests)
+        pd.testing.assert_frame_equal(a.timeline, b.timeline)
+
+
 def test_a_submit_at_exactly_a_step_end_counts_after_that_step(tmp_path):
     """A subagent's next turn (zero think time) is submitted to the other replica at the very
     instant one of that replica's steps ends; the plain loop sees it one step later."""

@@ -62,7 +62,7 @@ class Replica:
                 self._wakeup = None
                 continue
             plan = scheduler.schedule()
-            if not plan.scheduled:
+            if not plan.batch_size:
                 # Only after a step that preempted every running sequence; the next plan admits.
                 num_empty_plans += 1
                 if num_empty_plans > 1:
@@ -80,7 +80,7 @@ class Replica:
         scheduler, now = self.scheduler, self.env.now
         committed = scheduler.commit(plan, now)
         self.recorder.append_step(StepRecord(
-            self.index, now, scheduler.usage(), len(plan.scheduled), plan.shape.num_tokens,
+            self.index, now, scheduler.usage(), plan.batch_size, plan.shape.num_tokens,
             len(scheduler.running), scheduler.num_waiting, plan.num_preempted,
             plan.shape.swap_tokens, committed.num_sampled, committed.itl))
         for seq in committed.finished:

@@ -22,6 +22,7 @@ import numpy as np
 from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
                               decode_slack_rows, last_step_that_fits, slack_split)
 from sim.kvcache.block_pool import BlockPool
+from sim.kvcache.paged_cohort import PagedCohort
 
 
 @dataclass(slots=True)
@@ -94,7 +95,7 @@ class BlockAllocator:
             keys.extend(seq.request.prefix_keys(self.block_size, len(keys), count))
         return keys
 
-    def _key_full_blocks(self, seq, record: SeqBlocks, end: int) -> None:
+    def key_full_blocks(self, seq, record: SeqBlocks, end: int) -> None:
         """Key the blocks that tokens up to `end` filled (one clock tick for the call)."""
         pool, first, last = self.pool, record.num_keyed, end // self.block_size
         pool.clock += 1
@@ -124,7 +125,7 @@ class BlockAllocator:
             self.total_internal -= num_new_tokens - consumed_reserved
             record.num_tokens = end
             if self.enable_caching and end // size > record.num_keyed:
-                self._key_full_blocks(seq, record, end)
+                self.key_full_blocks(seq, record, end)
             return ()
         num_needed = -(-end // size) - len(record.table) + copy_on_write
         if num_needed > self.pool.num_free:
@@ -135,7 +136,7 @@ class BlockAllocator:
         record.num_tokens = end
         self._count_slack(record, +1)
         if self.enable_caching:
-            self._key_full_blocks(seq, record, end)
+            self.key_full_blocks(seq, record, end)
         return new_blocks
 
     def _admit(self, seq, num_new_tokens: int, hit: PrefixHit, full_tokens: int, watermark: float):
@@ -155,7 +156,7 @@ class BlockAllocator:
                                                    seq.final_len)
         self._count_slack(record, +1)
         if self.enable_caching:
-            self._key_full_blocks(seq, record, end)
+            self.key_full_blocks(seq, record, end)
         return new_blocks
 
     # -- copy-on-write -------------------------------------------------------------------------
@@ -224,6 +225,10 @@ class BlockAllocator:
         return reserved, internal
 
     # -- decode stretches ----------------------------------------------------------------------
+    def decode_cohort(self) -> PagedCohort:
+        """Memory of a decode cohort (sim.scheduler.cohort), kept in arrays."""
+        return PagedCohort(self)
+
     def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
         """Whether an admission refused for memory stays refused while the running sequences
         only decode. Free blocks only shrink; a prefix hit only shrinks, as decode blocks evict
@@ -303,7 +308,7 @@ class BlockAllocator:
             record = records[index]
             if takes_block:
                 record.table.extend(pool.take(1))
-            self._key_full_blocks(seqs[index], record, end)
+            self.key_full_blocks(seqs[index], record, end)
         while done < num_steps:
             cached_free.append(pool.num_cached_free)
             done += 1

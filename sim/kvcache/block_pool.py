@@ -47,6 +47,7 @@ class BlockPool:
         self.created = [0] * num_blocks
         self.num_free = num_blocks
         self.num_cached_free = 0
+        self.keyed = False  # whether any block was ever keyed (without keys, nothing to evict)
         if self._order is None:  # the free order: block ids in a FIFO
             self._queue = deque(range(num_blocks))
             self._stale: dict[int, int] = {}  # block -> entries left behind by revivals
@@ -76,6 +77,11 @@ class BlockPool:
         else:
             taken = self._take_by_key(count)
         block_key, cached, hits, ref_count = self.block_key, self.cached, self.hits, self.ref_count
+        self.num_free -= count
+        if not self.keyed:  # no key to drop, no hit counted
+            for block in taken:
+                ref_count[block] = 1
+            return taken
         evicted = 0
         for block in taken:
             key = block_key[block]
@@ -86,14 +92,13 @@ class BlockPool:
                 block_key[block] = None
             ref_count[block] = 1
             hits[block] = 0
-        self.num_free -= count
         self.num_cached_free -= evicted
         return taken
 
     def _take_in_free_order(self, count: int) -> tuple[int, ...]:
         popleft, stale = self._queue.popleft, self._stale
         if not stale:
-            return tuple(popleft() for _ in range(count))
+            return (popleft(),) if count == 1 else tuple([popleft() for _ in range(count)])
         taken = []
         while len(taken) < count:
             block = popleft()
@@ -145,8 +150,9 @@ class BlockPool:
         ref_count, block_key = self.ref_count, self.block_key
         freed = []
         for block in blocks:
-            ref_count[block] -= 1
-            if not ref_count[block]:
+            left = ref_count[block] - 1
+            ref_count[block] = left
+            if not left:
                 freed.append(block)
         if self._order is None:
             self._queue.extend(freed)
@@ -156,7 +162,8 @@ class BlockPool:
         else:
             self._push_by_key(freed, clock)
         self.num_free += len(freed)
-        self.num_cached_free += sum(1 for block in freed if block_key[block] is not None)
+        if self.keyed:
+            self.num_cached_free += sum(1 for block in freed if block_key[block] is not None)
         if len(self._queue) > 2 * self.num_blocks + 1024:  # entries of revived blocks pile up
             self._compact()
 
@@ -188,6 +195,7 @@ class BlockPool:
         """Key full blocks by the prefixes they end (a block keyed already keeps its key); the
         first block with a key is the one a lookup finds."""
         block_key, created, cached, clock = self.block_key, self.created, self.cached, self.clock
+        self.keyed = True
         for block, key in zip(blocks, keys):
             if block_key[block] is None:  # a shared (forked) block is keyed once
                 block_key[block] = key

@@ -32,6 +32,7 @@ import numpy as np
 
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
+from sim.scheduler.cohort import DecodeCohort
 from sim.scheduler.sequence import Sequence
 
 FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
@@ -51,9 +52,21 @@ class SchedulerSpec:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    scheduled: tuple[tuple[Sequence, int], ...]
+    """One step's batch: the decode cohort's members (one token each, first in the batch), then
+    the sequences scheduled one by one with their new tokens."""
+    tail: tuple[tuple[Sequence, int], ...]
     shape: BatchShape
     num_preempted: int
+    cohort: tuple[Sequence, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.cohort) + len(self.tail)
+
+    @property
+    def scheduled(self) -> tuple[tuple[Sequence, int], ...]:
+        """Every scheduled sequence with its new tokens, in batch order."""
+        return tuple((seq, 1) for seq in self.cohort) + self.tail
 
 
 class Committed(NamedTuple):
@@ -82,6 +95,8 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
+        new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
+        self._cohort = DecodeCohort(new_cohort(), spec.max_model_len) if new_cohort else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -113,7 +128,9 @@ class Scheduler:
         num_preempted = 0
         self._swap_tokens = 0
         running, allocate = self.running, self.allocator.allocate
-        index = 0
+        cohort = self._step_cohort(budget)
+        index = len(cohort)
+        budget -= index
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
@@ -129,13 +146,32 @@ class Scheduler:
                 index += 1
                 continue
             break
-        if not num_preempted or not scheduled:
+        if not num_preempted or not (scheduled or cohort):
             budget = self._swap_in(scheduled, budget)
             if not self.swapped:
                 budget = self._admit(scheduled, budget)
         copied = getattr(self.allocator, "num_copied_tokens", 0)  # forks at the last commit, copy-on-write now
         copy_tokens, self._copied_tokens = copied - self._copied_tokens, copied
-        return StepPlan(tuple(scheduled), _shape(scheduled, self._swap_tokens, copy_tokens), num_preempted)
+        shape = _shape(scheduled, self._swap_tokens, copy_tokens, len(cohort), cohort.context_tokens if cohort else 0)
+        return StepPlan(tuple(scheduled), shape, num_preempted, tuple(running[:len(cohort)]))
+
+    def _step_cohort(self, budget: int):
+        """The decode cohort with this step's tokens allocated, or () when the step goes sequence
+        by sequence (after bringing any members' Sequence objects up to date)."""
+        cohort = self._cohort
+        if cohort is None:
+            return ()
+        if cohort.memory.usable():
+            cohort.extend_from(self.running)
+            if len(cohort) and len(cohort) <= budget and cohort.memory.allocate():
+                return cohort
+        cohort.flush()
+        return ()
+
+    def flush(self) -> None:
+        """Bring the decode cohort's Sequence objects (and the allocator's records) up to date."""
+        if self._cohort is not None:
+            self._cohort.flush()
 
     def _swap_in(self, scheduled: list, budget: int) -> int:
         swapped, running = self.swapped, self.running
@@ -207,8 +243,13 @@ class Scheduler:
         finished, forked = [], []
         max_model_len = self.spec.max_model_len
         gaps: dict[float, int] = {}
-        num_sampled = 0
-        for seq, num_new in plan.scheduled:
+        num_sampled = len(plan.cohort)
+        if plan.cohort:
+            first_gaps, finished = self._cohort.commit(now)
+            gaps.update(first_gaps)
+            for seq in finished:
+                self.allocator.free(seq)
+        for seq, num_new in plan.tail:
             seq.num_computed += num_new
             if seq.num_computed < seq.num_tokens:
                 continue
@@ -222,6 +263,7 @@ class Scheduler:
             if seq.num_output == 1:
                 seq.first_token_time_s = now
                 if seq.request.n > 1 and seq.sample_index == 0:
+                    self.flush()  # forked blocks: the cohort gives way to sequence-by-sequence steps
                     forked.extend(self._fork_samples(seq, now))
                     num_sampled += seq.request.n - 1  # each sample drew its own first token
             if seq.num_output >= seq.request.output_len or seq.num_tokens >= max_model_len:
@@ -243,13 +285,18 @@ class Scheduler:
         running, shape = self.running, plan.shape
         num_seqs = len(running)
         if (plan.num_preempted or self.swapped or shape.num_prefill_tokens or shape.swap_tokens
-                or shape.copy_tokens or shape.num_decode_seqs != num_seqs or len(plan.scheduled) != num_seqs):
+                or shape.copy_tokens or shape.num_decode_seqs != num_seqs or plan.batch_size != num_seqs):
             return 1
         blocked = self.admission_blocked_by
         if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
                 blocked == BLOCKED_BY_MEMORY
                 and self.allocator.admission_stays_blocked(self.spec.reserve_full_isl))):
             return 1
+        if self._cohort:  # the members' objects lag: stretch only a batch that is all cohort
+            if len(plan.cohort) != num_seqs:
+                return 1  # (one admitted with all but its last token cached: it joins next step)
+            steps = int(self._cohort.left.min())
+            return 1 if steps < 3 else self._cohort.memory.steps_that_fit(steps)
         max_model_len = self.spec.max_model_len
         steps = min(min(seq.request.output_len - seq.num_output, max_model_len - seq.num_tokens)
                     for seq in running)
@@ -263,10 +310,13 @@ class Scheduler:
         throughout (requests queued since came after the last of these steps, or behind them).
         Returns the steps' inter-token gaps as rows (time_s, gap_s, count) and the memory
         breakdown after each step (rows of KVUsage.as_tuple())."""
-        running = self.running
+        running, num_steps = self.running, len(step_ends)
+        if self._cohort is not None and len(self._cohort) == len(running):
+            usage_rows = self._cohort.memory.rounds(num_steps)
+            return self._cohort.advance(step_ends), usage_rows
         head = self.waiting[0] if num_waiting else None  # a stretch has nothing swapped
-        usage_rows = self.allocator.decode_rounds(running, len(step_ends), head)
-        first_end, num_steps, last_end = float(step_ends[0]), len(step_ends), float(step_ends[-1])
+        usage_rows = self.allocator.decode_rounds(running, num_steps, head)
+        first_end, last_end = float(step_ends[0]), float(step_ends[-1])
         gaps: dict[float, int] = {}
         for seq in running:
             gap = first_end - seq.last_token_time_s
@@ -283,9 +333,11 @@ class Scheduler:
     def decode_plan(self, decode_context_tokens: int) -> StepPlan:
         """The plan of a decode stretch's step: every running sequence, one token each."""
         num_seqs = len(self.running)
-        return StepPlan(tuple((seq, 1) for seq in self.running),
-                        BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=decode_context_tokens,
-                                   num_sampled=num_seqs), 0)
+        shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=decode_context_tokens,
+                           num_sampled=num_seqs)
+        if self._cohort is not None and len(self._cohort) == num_seqs:
+            return StepPlan((), shape, 0, tuple(self.running))
+        return StepPlan(tuple((seq, 1) for seq in self.running), shape, 0)
 
     def _fork_samples(self, parent: Sequence, now: float) -> list[Sequence]:
         """The other n - 1 samples, each having sampled its own first token with the parent."""
@@ -305,8 +357,12 @@ class Scheduler:
         return siblings
 
 
-def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0) -> BatchShape:
-    prefill_tokens = prefill_seqs = prefill_kv = decode_seqs = decode_context = sampled = 0
+def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: int = 0,
+           cohort_context: int = 0) -> BatchShape:
+    """The batch of `scheduled` plus a decode cohort of cohort_seqs sequences whose contexts
+    (new tokens included) sum to cohort_context."""
+    prefill_tokens = prefill_seqs = prefill_kv = 0
+    decode_seqs, decode_context, sampled = cohort_seqs, cohort_context, cohort_seqs
     context_pairs = causal_pairs = 0
     for seq, num_new in scheduled:
         context = seq.num_computed
