@@ -15,6 +15,7 @@ from sim.kvcache.block import BlockAllocator
 from sim.latency.model import BatchShape
 from sim.metrics import flatten
 from sim.run import prepare, run_all
+from sim.scheduler import scheduler as scheduler_module
 from tests.conftest import compose_config
 from tests.helpers import seq
 
@@ -75,6 +76,7 @@ def test_the_decode_cohort_gives_the_sequence_by_sequence_results(case, monkeypa
     overrides = [o for o in CASES[case] if not o.startswith("allocators=")] + ["allocators=[paged,prefix]"]
     if case == "golden_swap":
         overrides[-1] = "allocators=[paged]"
+    monkeypatch.setattr(scheduler_module, "COHORT_MIN_SEQS", 2)  # a cohort wherever one can form
     cohort = results(overrides, False)
     monkeypatch.delattr(BlockAllocator, "decode_cohort")
     plain = results(overrides, False)

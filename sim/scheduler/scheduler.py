@@ -36,6 +36,9 @@ from sim.scheduler.cohort import DecodeCohort
 from sim.scheduler.sequence import Sequence
 
 FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
+# A decode cohort forms from this many running sequences and dissolves below half of it: over
+# fewer, numpy's cost per call exceeds Python's per sequence (benchmarks/README.md).
+COHORT_MIN_SEQS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +164,10 @@ class Scheduler:
         cohort = self._cohort
         if cohort is None:
             return ()
-        if cohort.memory.usable():
+        num_running = len(self.running)
+        if not cohort and num_running < COHORT_MIN_SEQS:
+            return ()
+        if cohort.memory.usable() and num_running >= COHORT_MIN_SEQS // 2:
             cohort.extend_from(self.running)
             if len(cohort) and len(cohort) <= budget and cohort.memory.allocate():
                 return cohort
