@@ -74,8 +74,12 @@ def decode_units_needed(allocated: int, slots: int, unit: int, steps: int) -> in
 def last_step_that_fits(seqs_state, free_units: int, unit: int, limit: int) -> int:
     """The largest k <= limit whose decode steps 2..k find units: seqs_state is a list of
     (allocated tokens, slots) per sequence."""
-    def needed(steps: int) -> int:
-        return sum(decode_units_needed(a, c, unit, steps) for a, c in seqs_state)
+    return largest_fitting(lambda steps: sum(decode_units_needed(a, c, unit, steps) for a, c in seqs_state),
+                           free_units, limit)
+
+
+def largest_fitting(needed, free_units: int, limit: int) -> int:
+    """The largest k <= limit with needed(k) <= free_units (needed grows with k, needed(1) = 0)."""
     if needed(limit) <= free_units:
         return limit
     low, high = 1, limit  # needed(low) <= free_units < needed(high)

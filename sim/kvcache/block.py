@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
-                              decode_slack_rows, last_step_that_fits, slack_split)
+                              last_step_that_fits, slack_split)
 from sim.kvcache.block_pool import BlockPool
 from sim.kvcache.paged_cohort import PagedCohort
 
@@ -256,60 +256,8 @@ class BlockAllocator:
         recomputed from the sequences' ends."""
         if self.num_forked:  # tails shared between samples: count them one token at a time
             return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
-        size = self.block_size
-        records = [self.seqs[seq.seq_id] for seq in seqs]
-        allocated = np.array([r.num_tokens for r in records], dtype=np.int64)
-        slots = np.array([len(r.table) for r in records], dtype=np.int64) * size
-        final_len = np.array([r.final_len for r in records], dtype=np.int64)
-        ends = allocated[:, None] + np.arange(num_steps + 1)  # after each round's allocation
-        slots_at = np.maximum(slots[:, None], -(-ends // size) * size)
-        reserved, internal = decode_slack_rows(ends, slots_at, final_len)
-        reserved += self.total_reserved - reserved[0]  # sequences outside the batch
-        internal += self.total_internal - internal[0]
-        num_free = self.pool.num_free - ((slots_at - slots[:, None]) // size).sum(axis=0)
-        cached_free = self._take_decode_blocks(seqs, records, allocated, slots, num_steps)
-        for record, end in zip(records, ends[:, -1].tolist()):
-            record.num_tokens = end
-        self.total_reserved, self.total_internal = int(reserved[-1]), int(internal[-1])
-        free = num_free[:num_steps] * size
-        idle = np.array(cached_free, dtype=np.int64) * size
-        reserved, internal = reserved[:num_steps], internal[:num_steps]
-        zero = np.zeros(num_steps, dtype=np.int64)
-        return np.column_stack((self.num_blocks * size - free - reserved - internal, reserved,
-                                internal, zero, idle, free - idle))
-
-    def _take_decode_blocks(self, seqs, records, allocated: np.ndarray, slots: np.ndarray,
-                            num_steps: int) -> list[int]:
-        """The block and keying events of rounds 1..num_steps in allocate's order; returns the
-        cached free blocks left after each round 0..num_steps - 1."""
-        size, caching, pool = self.block_size, self.enable_caching, self.pool
-        if not caching:  # no keys: take every round's blocks at once, handed out in allocate's order
-            events = sorted((end - start, index) for index, (start, have) in
-                            enumerate(zip(allocated.tolist(), slots.tolist()))
-                            for end in range(have + 1, start + num_steps + 1, size))
-            for (_, index), block in zip(events, pool.take(len(events))):
-                records[index].table.append(block)
-            return [pool.num_cached_free] * num_steps
-        # (round, sequence index, end, takes a block): allocate's slow path at the first token
-        # past the last block, its fast path keying a block the token fills (size 1: both at once)
-        events = []
-        for index, (start, have) in enumerate(zip(allocated.tolist(), slots.tolist())):
-            last = start + num_steps
-            events.extend((end - start, index, end, True) for end in range(have + 1, last + 1, size))
-            if size > 1:
-                first_key = (start // size + 1) * size
-                events.extend((end - start, index, end, False) for end in range(first_key, last + 1, size))
-        events.sort()
-        cached_free, done = [pool.num_cached_free], 1
-        for step, index, end, takes_block in events:
-            while done < step:
-                cached_free.append(pool.num_cached_free)
-                done += 1
-            record = records[index]
-            if takes_block:
-                record.table.extend(pool.take(1))
-            self.key_full_blocks(seqs[index], record, end)
-        while done < num_steps:
-            cached_free.append(pool.num_cached_free)
-            done += 1
-        return cached_free[:num_steps]
+        cohort = PagedCohort(self)  # the same rounds, over arrays
+        cohort.join(list(seqs))
+        rows = cohort.rounds(num_steps)
+        cohort.flush()
+        return rows

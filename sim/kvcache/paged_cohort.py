@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.kvcache.base import decode_slack_rows
+from sim.kvcache.base import decode_slack_rows, largest_fitting
 
 
 class PagedCohort:
@@ -94,25 +94,15 @@ class PagedCohort:
 
     def steps_that_fit(self, limit: int) -> int:
         """The largest k <= limit whose decode steps 2..k find blocks (step 1 allocated)."""
-        free, size = self.allocator.pool.num_free, self.size
-        alloc, slots = self.alloc, self.slots
-
-        def needed(steps: int) -> int:
-            return int(np.maximum(0, -(-(alloc + steps - 1 - slots) // size)).sum())
-        if needed(limit) <= free:
-            return limit
-        low, high = 1, limit  # needed(low) <= free < needed(high)
-        while high - low > 1:
-            middle = (low + high) // 2
-            if needed(middle) <= free:
-                low = middle
-            else:
-                high = middle
-        return low
+        size, alloc, slots = self.size, self.alloc, self.slots
+        return largest_fitting(lambda steps: int(np.maximum(0, -(-(alloc + steps - 1 - slots) // size)).sum()),
+                               self.allocator.pool.num_free, limit)
 
     def rounds(self, num_steps: int) -> np.ndarray:
-        """As num_steps rounds of usage() then allocate() (the usages as rows of
-        KVUsage.as_tuple()): BlockAllocator.decode_rounds over the members' arrays."""
+        """As num_steps rounds of usage() then allocate() for every member (the usages as rows
+        of KVUsage.as_tuple()), with the same state after: blocks are taken and full blocks keyed
+        in the same order (round by round, member by member), and the slack totals recomputed
+        from the members' ends."""
         allocator, size = self.allocator, self.size
         allocated, slots = self.alloc, self.slots
         ends = allocated[:, None] + np.arange(num_steps + 1)  # after each round's allocation
