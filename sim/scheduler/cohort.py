@@ -98,14 +98,22 @@ class DecodeCohort:
     def advance(self, step_ends: np.ndarray) -> np.ndarray:
         """Commit len(step_ends) steps in which no member finishes; returns their inter-token
         gaps as rows (time_s, gap_s, count)."""
-        num_steps, first_end = len(step_ends), float(step_ends[0])
-        first = np.array([(first_end, gap, count) for gap, count in _gap_counts(first_end - self.last_time)])
-        rest = np.column_stack((step_ends[1:], np.diff(step_ends), np.full(num_steps - 1, len(self.seqs))))
+        num_steps = len(step_ends)
+        rows = stretch_gap_rows(step_ends, self.last_time)
         self.tokens += num_steps
         self.output += num_steps
         self.left -= num_steps
         self.last_time[:] = float(step_ends[-1])
-        return np.concatenate((first.reshape(-1, 3), rest))
+        return rows
+
+
+def stretch_gap_rows(step_ends: np.ndarray, last_times: np.ndarray) -> np.ndarray:
+    """Inter-token gaps of a stretch's steps as rows (time_s, gap_s, count) for sequences that
+    last sampled at last_times: each one's own gap at the first step, then one shared gap per step."""
+    first_end = float(step_ends[0])
+    first = np.array([(first_end, gap, count) for gap, count in _gap_counts(first_end - last_times)])
+    rest = np.column_stack((step_ends[1:], np.diff(step_ends), np.full(len(step_ends) - 1, len(last_times))))
+    return np.concatenate((first.reshape(-1, 3), rest))
 
 
 def _gap_counts(gaps: np.ndarray) -> list[tuple[float, int]]:

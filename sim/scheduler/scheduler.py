@@ -32,7 +32,7 @@ import numpy as np
 
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
-from sim.scheduler.cohort import DecodeCohort
+from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
 from sim.scheduler.sequence import Sequence
 
 FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
@@ -317,31 +317,30 @@ class Scheduler:
         Returns the steps' inter-token gaps as rows (time_s, gap_s, count) and the memory
         breakdown after each step (rows of KVUsage.as_tuple())."""
         running, num_steps = self.running, len(step_ends)
-        if self._cohort is not None and len(self._cohort) == len(running):
+        if self._batch_is_cohort():
             usage_rows = self._cohort.memory.rounds(num_steps)
             return self._cohort.advance(step_ends), usage_rows
         head = self.waiting[0] if num_waiting else None  # a stretch has nothing swapped
         usage_rows = self.allocator.decode_rounds(running, num_steps, head)
-        first_end, last_end = float(step_ends[0]), float(step_ends[-1])
-        gaps: dict[float, int] = {}
-        for seq in running:
-            gap = first_end - seq.last_token_time_s
-            gaps[gap] = gaps.get(gap, 0) + 1
-        first = np.array([(first_end, gap, count) for gap, count in gaps.items()]).reshape(-1, 3)
-        rest = np.column_stack((step_ends[1:], np.diff(step_ends), np.full(num_steps - 1, len(running))))
+        rows = stretch_gap_rows(step_ends, np.array([seq.last_token_time_s for seq in running]))
+        last_end = float(step_ends[-1])
         for seq in running:
             seq.num_computed += num_steps
             seq.num_tokens += num_steps
             seq.num_output += num_steps
             seq.last_token_time_s = last_end
-        return np.concatenate((first, rest)), usage_rows
+        return rows, usage_rows
+
+    def _batch_is_cohort(self) -> bool:
+        """Whether every running sequence is a member of the decode cohort."""
+        return self._cohort is not None and len(self._cohort) == len(self.running)
 
     def decode_plan(self, decode_context_tokens: int) -> StepPlan:
         """The plan of a decode stretch's step: every running sequence, one token each."""
         num_seqs = len(self.running)
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=decode_context_tokens,
                            num_sampled=num_seqs)
-        if self._cohort is not None and len(self._cohort) == num_seqs:
+        if self._batch_is_cohort():
             return StepPlan((), shape, 0, tuple(self.running))
         return StepPlan(tuple((seq, 1) for seq in self.running), shape, 0)
 
