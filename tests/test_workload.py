@@ -124,3 +124,18 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
     assert short2.prefix_key(3000) == other2.prefix_key(3000) != short2.prefix_key(3001)
     untouched = Workload((Session(2, 0.0, (short,)),))
     assert truncate_overlength(untouched, 4096) is untouched
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.tuples(st.integers(0, 2**40), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+       b=st.tuples(st.integers(0, 2**40), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)))
+def test_packed_keys_are_equal_exactly_when_their_fields_are(a, b):
+    from sim.workload.request import pack_key
+    assert (pack_key(*a) == pack_key(*b)) == (a == b)
+    assert pack_key(*a) == pack_key(*a[:2], 0) + a[2]  # a segment's keys form one range
+
+
+def test_a_content_id_beyond_the_packed_keys_bits_is_refused():
+    import pytest
+    with pytest.raises(ValueError, match="32 bits"):
+        make_request(PrefixInterner(), 1, [(2**32, 4)], 1, 5)

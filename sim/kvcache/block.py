@@ -16,6 +16,9 @@ partial last block first copies it (copy-on-write).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 
 import numpy as np
 
@@ -23,6 +26,9 @@ from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by
                               last_step_that_fits, slack_split)
 from sim.kvcache.block_pool import BlockPool
 from sim.kvcache.paged_cohort import PagedCohort
+
+
+_is_block = partial(is_not, None)  # a cached key's block, not a miss
 
 
 @dataclass(slots=True)
@@ -80,13 +86,10 @@ class BlockAllocator:
         """Cached full blocks at the start of seq; a pure query."""
         if not self.enable_caching:
             return NO_HIT
-        cached, blocks, count = self.pool.cached, [], (seq.num_tokens - 1) // self.block_size
-        for key in self._block_keys(seq, count)[:count]:
-            block = cached.get(key)
-            if block is None:
-                break
-            blocks.append(block)
-        return PrefixHit(len(blocks) * self.block_size, tuple(blocks)) if blocks else NO_HIT
+        count = (seq.num_tokens - 1) // self.block_size
+        keys = self._block_keys(seq, count)
+        blocks = tuple(takewhile(_is_block, map(self.pool.cached.get, islice(keys, count))))
+        return PrefixHit(len(blocks) * self.block_size, blocks) if blocks else NO_HIT
 
     def _block_keys(self, seq, count: int) -> list[tuple]:
         """The keys of seq's first count blocks (or more), each computed once while seq lives."""

@@ -3,14 +3,24 @@
 A prompt is a sequence of segments (content_id, num_tokens): tokens 0..n-1 of that content. The
 prefix before segment j is interned to an integer (`PrefixInterner`), so the identity of the first
 e tokens of a prompt is the exact key (prefix id before the segment holding token e-1, content id,
-offset e - segment start). Keys are equal exactly when the token prefixes are equal, at any block
-size, with no hashing and so no collisions. Generated output is one more segment with the
+offset e - segment start), packed into one integer (`pack_key`: 32 bits each for the content id
+and the offset; ints hash and compare cheaper than tuples and are not tracked by the garbage
+collector). Keys are equal exactly when the token prefixes are equal, at any block size, with no
+hashing and so no collisions. Generated output is one more segment with the
 request's own content id, so a follow-up turn that quotes it shares its blocks.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+
+
+KEY_FIELD_BITS = 32  # content ids and offsets stay below 2**32 (checked in make_request)
+
+
+def pack_key(prefix_id: int, content_id: int, offset: int) -> int:
+    """The integer form of the key (prefix_id, content_id, offset), one-to-one."""
+    return (((prefix_id << KEY_FIELD_BITS) | content_id) << KEY_FIELD_BITS) | offset
 
 
 class PrefixInterner:
@@ -44,18 +54,18 @@ class Request:
     n: int = 1
     chain: int = 0  # a session's independent closed-loop chains (agentic subagents)
 
-    def prefix_key(self, end: int) -> tuple[int, int, int]:
+    def prefix_key(self, end: int) -> int:
         """Identity of tokens [0, end), end >= 1, over prompt then generated output."""
         if end > self.prompt_len:
-            return (self.prefix_ids[-1], self.output_content_id, end - self.prompt_len)
+            return pack_key(self.prefix_ids[-1], self.output_content_id, end - self.prompt_len)
         j = bisect_right(self.segment_starts, end - 1) - 1
-        return (self.prefix_ids[j], self.segments[j][0], end - self.segment_starts[j])
+        return pack_key(self.prefix_ids[j], self.segments[j][0], end - self.segment_starts[j])
 
 
-    def prefix_keys(self, block_size: int, first_block: int, end_block: int) -> list[tuple[int, int, int]]:
+    def prefix_keys(self, block_size: int, first_block: int, end_block: int) -> list[int]:
         """prefix_key((i + 1) * block_size) for i in [first_block, end_block), a segment's
-        blocks at a time."""
-        keys: list[tuple[int, int, int]] = []
+        blocks at a time (one range of packed keys each)."""
+        keys: list[int] = []
         end, last = (first_block + 1) * block_size, end_block * block_size  # block ends, inclusive
         prompt_last = min(last, self.prompt_len)
         starts, segments = self.segment_starts, self.segments
@@ -65,24 +75,30 @@ class Request:
                 start = starts[j]
                 stop = min(start + segments[j][1], prompt_last)
                 if stop >= end:
-                    prefix_id, content_id = self.prefix_ids[j], segments[j][0]
-                    keys.extend([(prefix_id, content_id, e - start) for e in range(end, stop + 1, block_size)])
+                    base = pack_key(self.prefix_ids[j], segments[j][0], 0) - start
+                    keys.extend(range(base + end, base + stop + 1, block_size))
                     end += ((stop - end) // block_size + 1) * block_size
                 j += 1
         if end <= last:
-            prefix_id, content_id, prompt_len = self.prefix_ids[-1], self.output_content_id, self.prompt_len
-            keys.extend([(prefix_id, content_id, e - prompt_len) for e in range(end, last + 1, block_size)])
+            base = pack_key(self.prefix_ids[-1], self.output_content_id, 0) - self.prompt_len
+            keys.extend(range(base + end, base + last + 1, block_size))
         return keys
 
 
 def make_request(interner: PrefixInterner, request_id: int, segments, output_len: int,
                  output_content_id: int, **extra) -> Request:
     starts, prefix_ids, position, prefix = [], [0], 0, 0
+    if not 0 <= output_content_id < 1 << KEY_FIELD_BITS:
+        raise ValueError(f"content id {output_content_id} outside the packed key's 32 bits")
     for content_id, num_tokens in segments:
+        if not 0 <= content_id < 1 << KEY_FIELD_BITS:
+            raise ValueError(f"content id {content_id} outside the packed key's 32 bits")
         starts.append(position)
         position += num_tokens
         prefix = interner.extend(prefix, content_id, num_tokens)
         prefix_ids.append(prefix)
+    if position + output_len >= 1 << KEY_FIELD_BITS:
+        raise ValueError(f"request of {position + output_len} tokens: offsets outside the packed key's 32 bits")
     return Request(request_id=request_id, prompt_len=position, output_len=output_len,
                    segments=tuple(segments), prefix_ids=tuple(prefix_ids),
                    segment_starts=tuple(starts), output_content_id=output_content_id, **extra)
