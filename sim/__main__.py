@@ -51,9 +51,20 @@ def select_trace_scenario(argv: list[str]) -> list[str]:
     return argv
 
 
+def expand_hf_model(argv: list[str]) -> list[str]:
+    """`model=hf:PATH` is `model=hf model.hf_config=PATH` (scenarios/model/hf.yaml)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("model=hf:"):
+            out += ["model=hf", f"model.hf_config={arg[len('model=hf:'):]}"]
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    dispatch(select_trace_scenario(argv), _commands(), USAGE)
+    dispatch(select_trace_scenario(expand_hf_model(argv)), _commands(), USAGE)
 
 
 if __name__ == "__main__":

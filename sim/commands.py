@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sim.errors import ConfigError
-from sim.models import model_from_dict, resolve_kv_dtype
+from sim.models import model_from_config, resolve_kv_dtype
 from sim.staging import final_dir, sweep_progress
 
 GiB = 2**30
@@ -38,8 +38,10 @@ def run_task(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.task == "sharing":
         return sharing_task(cfg, out_dir)
+    if cfg.task == "kv_axes":
+        return kv_axes_task(cfg, out_dir)
     if cfg.task != "compare":
-        raise ConfigError(f"unknown task '{cfg.task}', key task, use compare or sharing")
+        raise ConfigError(f"unknown task '{cfg.task}', key task, use compare, sharing or kv_axes")
     check_keys_are_read(cfg, HydraConfig.get().runtime.choices)
     results = run_all(cfg, show_progress=cfg.progress and not cfg.quiet)
     if cfg.enable_prefix_caching and "paged" in cfg.allocators:
@@ -97,7 +99,7 @@ def check_keys_are_read(cfg: DictConfig, choices) -> None:
 
 READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}
 # Nodes whose keys are free-form (checked where they are used) or groups added with +NAME=...
-OPEN_NODES = {"allocator_options", "scenario", "model", "sharing", "experiment", "hydra"}
+OPEN_NODES = {"allocator_options", "scenario", "model", "sharing", "kv_axes", "experiment", "hydra"}
 TRACE_STATS_KEYS = {"scenario", "trace", "block_size", "seed", "format", "model"}
 
 
@@ -117,36 +119,57 @@ def sharing_task(cfg: DictConfig, out_dir: Path) -> None:
         print(f"results: {out_dir / 'sharing.csv'}")
 
 
+def kv_axes_task(cfg: DictConfig, out_dir: Path) -> None:
+    """The KV-shrinking axes on one model (sim.kv_axes); writes kv_axes.csv and kv_axes.png."""
+    from sim.kv_axes import plot_kv_axes, run_kv_axes
+    from sim.results import write_csv
+    from sim.run import build_workload, prepare, simulate
+
+    def simulate_run(vcfg, label):
+        setup = prepare(vcfg)
+        result = simulate(setup, build_workload(vcfg, setup.spec.seed), "paged", vcfg.router)
+        if not cfg.quiet:
+            print(f"  {label}: {result.metrics['wall_time_s']:.1f} s", file=sys.stderr)
+        return setup, result
+
+    def mean_tokens_of(wcfg):
+        requests = [r for s in build_workload(wcfg, wcfg.seed).sessions for r in s.turns]
+        return sum(min(r.prompt_len + r.output_len, wcfg.max_model_len) for r in requests) / max(len(requests), 1)
+
+    def compose_workload(overrides):
+        from hydra import compose
+        given = [o for o, _ in user_keys()]
+        return compose(config_name="run", overrides=[*given, *overrides])
+
+    table = run_kv_axes(cfg, compose_workload, simulate_run, mean_tokens_of)
+    write_csv(out_dir / "kv_axes.csv", table)
+    plot_kv_axes(table, out_dir / "kv_axes.png")
+    if not cfg.quiet:
+        print(table.to_string(index=False, float_format=lambda v: f"{v:,.4g}"))
+        print(f"results: {final_dir(out_dir)}/kv_axes.csv, kv_axes.png")
+
+
 def kv_task(cfg: DictConfig) -> None:
-    """Print a model's KV bytes per token and the cache size for tokens x batch."""
-    model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    if cfg.tokens < 0 or cfg.batch < 1 or cfg.tensor_parallel_size < 1:
-        raise ConfigError("tokens must be >= 0, batch and tensor_parallel_size >= 1, "
-                          "command line, fix tokens=, batch= or tensor_parallel_size=")
+    """A model's KV bytes per token at `tokens` and the cache the engine allocates for `batch`
+    sequences, per layer kind (sim.kv_layout); compare=[...] prints a row per model."""
+    from sim.kv_report import kv_report, print_kv_compare, print_kv_report
+    from sim.models import model_by_name
+
+    if cfg.tokens < 0 or cfg.batch < 1 or cfg.tensor_parallel_size < 1 or cfg.block_size < 1:
+        raise ConfigError("tokens must be >= 0, batch, block_size and tensor_parallel_size >= 1, "
+                          "command line, fix tokens=, batch=, block_size= or tensor_parallel_size=")
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"unknown format '{cfg.format}', key format, use text or json")
-    kv_dtype = resolve_kv_dtype(model, cfg.kv_cache_dtype)
-    per_token = model.kv_bytes_per_token(kv_dtype)
-    total = per_token * cfg.tokens * cfg.batch
-    stored = total * model.kv_replication(cfg.tensor_parallel_size)
-    result = {
-        "model": model.name, "attention": model.attention, "kv_dtype": kv_dtype,
-        "tokens": cfg.tokens, "batch": cfg.batch,
-        "kv_bytes_per_token": per_token, "kv_cache_bytes": total,
-        "kv_cache_gib": round(total / GiB, 2),
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "kv_cache_bytes_stored_across_tp": int(stored),
-    }
+    models = [model_by_name(name) for name in cfg.compare] or [model_from_config(cfg.model)]
+    reports = [kv_report(model, cfg.tokens, cfg.batch, cfg.block_size, cfg.tensor_parallel_size,
+                         resolve_kv_dtype(model, cfg.kv_cache_dtype), cfg.kv_cache_dtype)
+               for model in models]
     if cfg.format == "json":
-        print(json.dumps(result))
-        return
-    print(f"model: {model.name} ({model.attention}, {model.num_kv_layers} KV layers, "
-          f"{model.kv_elements_per_token_per_layer} elements/token/layer, {kv_dtype})")
-    print(f"kv_bytes_per_token: {per_token:,}")
-    print(f"kv_cache: {total / GiB:.2f} GiB ({cfg.tokens:,} tokens x {cfg.batch} sequences)")
-    if cfg.tensor_parallel_size > 1:
-        print(f"stored across tensor_parallel_size={cfg.tensor_parallel_size}: "
-              f"{stored / GiB:.2f} GiB")
+        print(json.dumps(reports if cfg.compare else reports[0]))
+    elif cfg.compare:
+        print_kv_compare(reports)
+    else:
+        print_kv_report(reports[0])
 
 
 def validate_task(cfg: DictConfig) -> None:

@@ -80,6 +80,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     task: str = "compare"
     sharing: Any = None
+    kv_axes: Any = None  # +experiment=kv_axes: the variants, KV dtypes and workloads
     trace: TraceConfig = field(default_factory=TraceConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     plots: bool = True
@@ -103,6 +104,8 @@ class KvConfig:
     kv_cache_dtype: str = MISSING
     tensor_parallel_size: int = MISSING
     format: str = MISSING
+    block_size: int = 16
+    compare: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -3,6 +3,9 @@
 KV bytes = 2 * B * L * H_kv * d_h * t * s (REFERENCE.md section 1). The four shrinking axes map
 onto the spec: GQA/MQA lower `num_kv_heads`; CLA divides the layers that store KV by
 `cla_share_factor`; MLA replaces 2 * H_kv * d_h by `kv_lora_rank + qk_rope_head_dim`; FP8 halves s.
+Models whose layers differ (sliding windows, chunked-local, DeepSeek-V4's compressed layers, V3.2's
+DSA, shared or state layers) list them in `layers` (sim.kv_layout); without it every layer is of
+the `attention` kind (CLA: every c-th layer stores, the others share).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from sim.errors import ConfigError, UnknownNameError
+from sim.kv_layout import KindUsage, LayerGroup, kind_usage, layer_group, padded_layer_counts
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
@@ -54,6 +58,9 @@ class ModelSpec:
     # FP8 weights scaled per block of weight_block_size x weight_block_size (0: per tensor or row),
     # as a checkpoint's quantization_config.weight_block_size says.
     weight_block_size: int = 0
+    # Per-layer kinds (sim.kv_layout.LayerGroup), in order; () = all layers of `attention`.
+    layers: tuple[LayerGroup, ...] = ()
+    source: str = ""  # where the figures come from (a config.json, a paper)
 
     def __post_init__(self):
         where = f"model '{self.name}'"
@@ -69,6 +76,45 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                               f"{self.num_kv_heads}, {where}, fix the model YAML")
+        if self.layers and sum(g.count for g in self.layers) != self.num_layers:
+            raise ConfigError(f"layers count {sum(g.count for g in self.layers)} layers, not "
+                              f"num_layers={self.num_layers}, {where}, fix the model YAML")
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers by kind: `layers`, or all of `attention` (CLA: the non-storing ones shared)."""
+        if self.layers:
+            return self.layers
+        kind = "mla" if self.is_mla else "full"
+        stored = LayerGroup(kind, self.num_kv_layers)
+        shared = self.num_layers - self.num_kv_layers
+        return (stored, LayerGroup("shared", shared)) if shared else (stored,)
+
+    @property
+    def is_uniform(self) -> bool:
+        """Every layer of one attention kind in the model's own widths (what the simulator's
+        allocators and step times model; hybrid layouts are priced by `python -m sim kv`)."""
+        return all(g.kind in ("full", "mla", "shared") and not g.entry_bytes for g in self.layer_groups)
+
+    def entry_bytes(self, group: LayerGroup, kv_dtype: str | None = None) -> float:
+        """Bytes of one stored entry of one layer of `group` (given bytes win over the dtype)."""
+        if group.entry_bytes:
+            return group.entry_bytes
+        if group.kind in ("shared", "state"):
+            return 0.0
+        s = DTYPE_BYTES[kv_dtype or self.kv_dtype]
+        if group.kind == "mla" or (group.kind in ("dsa", "compressed") and self.kv_lora_rank):
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * s  # one latent (pooled, if compressed)
+        return 2 * self.num_kv_heads * self.head_dim * s  # K and V of every KV head
+
+    def kv_usage(self, tokens: int, batch: int = 1, block_size: int = 16,
+                 kv_dtype: str | None = None) -> list[KindUsage]:
+        """Each layer group's KV for `batch` sequences of `tokens` tokens (sim.kv_layout)."""
+        groups = self.layer_groups
+        sizes = [self.entry_bytes(g, kv_dtype) + g.indexer_entry_bytes for g in groups]
+        padded = padded_layer_counts(groups, sizes)
+        return [kind_usage(g, self.entry_bytes(g, kv_dtype), tokens, batch, block_size, layers)
+                for g, layers in zip(groups, padded)]
 
     @property
     def is_mla(self) -> bool:
@@ -76,6 +122,9 @@ class ModelSpec:
 
     @property
     def num_kv_layers(self) -> int:
+        """Layers that store KV (CLA: every c-th; a layered model: all but shared and state)."""
+        if self.layers:
+            return sum(g.count for g in self.layers if g.kind not in ("shared", "state"))
         return math.ceil(self.num_layers / self.cla_share_factor)
 
     @property
@@ -84,10 +133,18 @@ class ModelSpec:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
-        """Bytes of KV cache one token occupies across the whole model (one copy)."""
-        dtype = kv_dtype or self.kv_dtype
-        return self.num_kv_layers * self.kv_elements_per_token_per_layer * DTYPE_BYTES[dtype]
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> float:
+        """Bytes of KV cache one more token of context adds across the whole model (one copy):
+        the layers that keep the whole history (a compressed layer 1/ratio of an entry and its
+        indexer key); windows and states, fixed per sequence, are left out (see kv_usage)."""
+        if not self.layers:
+            dtype = kv_dtype or self.kv_dtype
+            return self.num_kv_layers * self.kv_elements_per_token_per_layer * DTYPE_BYTES[dtype]
+        total = 0.0
+        for g in self.layers:
+            if g.kind in ("full", "mla", "dsa", "compressed"):
+                total += g.count * (self.entry_bytes(g, kv_dtype) + g.indexer_entry_bytes) / g.ratio
+        return total
 
     def kv_replication(self, tensor_parallel_size: int) -> float:
         """How many copies of each token's KV a TP group stores (REFERENCE.md section 1).
@@ -166,15 +223,39 @@ def model_from_dict(values: dict) -> ModelSpec:
     if unknown:
         raise ConfigError(f"unknown model field(s) {', '.join(unknown)}, model '{name}', "
                           f"use only: {', '.join(sorted(known))}")
+    layers = values.get("layers") or ()
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(g, (dict, LayerGroup)) for g in layers):
+        raise ConfigError(f"layers must be a list of layer groups ({{kind, count, ...}}), "
+                          f"model '{name}', fix the model YAML")
+    values = {**values, "layers": tuple(
+        g if isinstance(g, LayerGroup) else layer_group(g, f"model '{name}' layers[{i}]")
+        for i, g in enumerate(layers))}
     try:
         return ModelSpec(**values)
     except TypeError as exc:
         raise ConfigError(f"incomplete model spec ({exc}), model '{name}', fix the model YAML") from None
 
 
+def model_from_config(node) -> ModelSpec:
+    """A run's or a command's `model` node: a shipped YAML's fields, or `hf_config` (model=hf:PATH)."""
+    values = node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
+    if "hf_config" in values:
+        from sim.hf_config import model_from_hf
+        return model_from_hf(values["hf_config"])
+    return model_from_dict(values)
+
+
+def model_by_name(name: str) -> ModelSpec:
+    """A shipped model's name, or hf:PATH for a Hugging Face config."""
+    if name.startswith("hf:"):
+        from sim.hf_config import model_from_hf
+        return model_from_hf(name[3:])
+    return load_model(name)
+
+
 def available_models() -> list[str]:
     folder = resources.files("scenarios") / "model"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml") and p.name != "hf.yaml")
 
 
 def load_model(name: str) -> ModelSpec:

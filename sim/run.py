@@ -27,7 +27,7 @@ from sim.engine.clock import Environment
 from sim.engine.records import StepRecord
 from sim.metrics import summarize
 from sim.recorder import Recorder
-from sim.models import ModelSpec, model_from_dict, resolve_kv_dtype
+from sim.models import ModelSpec, model_from_config, resolve_kv_dtype
 from sim.progress import progress_bar
 from sim.scheduler import Scheduler, SchedulerSpec
 from sim.workload.overlength import truncate_overlength
@@ -97,7 +97,12 @@ def _instantiate(cfg, where: str, **kwargs):
 
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
-    model = model_from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    model = model_from_config(cfg.model)
+    if not model.is_uniform:
+        kinds = sorted({g.kind for g in model.layer_groups} - {"full", "mla", "shared"}) or ["given-bytes"]
+        raise ConfigError(f"model {model.name} has {', '.join(kinds)} layers, which the simulator's "
+                          f"allocators and step times do not model yet (python -m sim kv prices them), "
+                          f"key model, choose a model whose layers are all full, MLA or shared")
     spec = engine_spec(cfg, model.max_position_embeddings)
     if spec.quantization:  # weights (and so GEMM inputs) in the quantized type
         model = dataclasses.replace(model, weight_dtype=spec.quantization)

@@ -37,8 +37,11 @@ def test_kv_json(tmp_path):
     out = sim(tmp_path, "kv", "model=deepseek_v3", "tokens=1000", "batch=2", "format=json")
     data = json.loads(out.stdout)
     assert data["kv_bytes_per_token"] == 70_272
-    assert data["kv_cache_bytes"] == 70_272 * 2000
-    assert data["kv_cache_gib"] == round(70_272 * 2000 / 2**30, 2)
+    assert data["kv_stored_bytes"] == 70_272 * 2000
+    # what the engine allocates: whole 16-token blocks, 1,000 tokens in 63 of them (issue 11)
+    assert data["kv_cache_bytes"] == 70_272 * 63 * 16 * 2
+    assert data["kv_cache_gib"] == round(70_272 * 1008 * 2 / 2**30, 2)
+    assert [k["kind"] for k in data["kinds"]] == ["mla"]
 
 
 def test_run_writes_results_comparison_and_plot(tmp_path):

@@ -1,8 +1,11 @@
 """Every shipped config composes, and every option of every group builds its runtime object."""
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
+from sim.errors import ConfigError
+from sim.models import model_from_config
 from sim.run import build_workload, prepare
 from tests.conftest import compose_config
 
@@ -32,9 +35,16 @@ def test_main_job_defaults_follow_the_issue():
 
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_option_prepares(model):
-    cfg = compose_config("run", [f"model={model}", "gpu=h200", "tensor_parallel_size=8",
+    extra = [f"model.hf_config={Path(__file__).parent / 'data' / 'hf' / 'llama3_70b.json'}"] if model == "hf" else []
+    cfg = compose_config("run", [f"model={model}", *extra, "gpu=h200", "tensor_parallel_size=8",
                                  "max_model_len=4096"])
-    assert prepare(cfg).pool.num_blocks > 0
+    spec = model_from_config(cfg.model)
+    if spec.is_uniform:
+        assert prepare(cfg).pool.num_blocks > 0
+    else:  # hybrid layouts: priced by `sim kv`, refused by the simulator until its hybrid allocator
+        kinds = {g.kind for g in spec.layer_groups} - {"full", "mla", "shared"}
+        with pytest.raises(ConfigError, match=f"has .*{sorted(kinds)[0]}.* layers"):
+            prepare(cfg)
 
 
 @pytest.mark.parametrize("scenario", options("scenario"))

@@ -1,0 +1,195 @@
+"""Per-layer KV layout: what each kind of layer stores per sequence, and what an engine allocates.
+
+A model is a list of layer groups, `count` layers of one kind each (REFERENCE.md sections 1, 8):
+
+    kind        stores per sequence of t tokens                          reads per decode step
+    full        t entries of 2 * H_kv * d_h elements (MHA, GQA, MQA)      t
+    mla         t latents of kv_lora_rank + qk_rope_head_dim elements     t
+    sliding     the last min(t, window) tokens                            min(t, window)
+    chunked     the tokens since the current chunk began (Llama 4)        (t - 1) % chunk + 1
+    compressed  floor(t / ratio) pooled entries (+ indexer keys), and     top_k entries (all when
+                the last min(t, window) raw tokens (DeepSeek-V4 CSA/HCA)  top_k = 0) + the window
+    dsa         t latents + t indexer keys (DeepSeek-V3.2)                min(t, top_k)
+    shared      nothing: reads another layer's KV (CLA, Gemma 3n)         its source's
+    state       a fixed state per sequence (Mamba-style)                  the state
+
+Bytes per entry come from the model's widths and KV dtype, or are given (`entry_bytes`) where an
+engine stores a mixed layout (vLLM stores a V3.2 latent in 656 B: 512 FP8 + 16 B of scales + 64
+BF16 RoPE; a V4 entry in 584 B), in which case kv_cache_dtype does not change them.
+
+Allocation follows vLLM: blocks of block_size tokens per group; a window or chunk layer keeps only
+the blocks that hold its live tokens (the rest are freed); kinds with equal page sizes share one
+page size in groups of the smallest kind's layer count, the last group of a kind padded with
+empty layers (vLLM's hybrid KV cache manager: Gemma-3-27B's 52 sliding + 10 full layers make
+groups of 10, the last sliding group 2 real layers + 8 padding); compressed layers use their own
+pages (`block_tokens` tokens a block, pages padded to a multiple of `page_align` bytes, a
+separate window cache in `window_block_tokens`-token blocks), as vLLM's DeepSeek-V4 path does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from sim.errors import ConfigError
+
+LAYER_KINDS = ("full", "mla", "sliding", "chunked", "compressed", "dsa", "shared", "state")
+WINDOWED = ("sliding", "chunked")  # kinds whose blocks leave once their tokens leave the window
+GROUPED = ("full", "mla", "sliding", "chunked", "dsa")  # kinds of vLLM's one-page-size groups
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    kind: str
+    count: int
+    window: int = 0               # sliding: window; chunked: chunk; compressed: raw window
+    ratio: int = 1                # compressed: tokens pooled into one stored entry
+    top_k: int = 0                # compressed (CSA) and dsa: entries one query reads; 0: all
+    entry_bytes: float = 0        # per stored entry per layer; 0: from the model's widths and dtype
+    indexer_entry_bytes: float = 0  # an indexer key per stored entry (CSA, DSA); 0: no indexer
+    indexer_heads: int = 0        # the indexer's heads and width, for its scoring FLOPs
+    indexer_head_dim: int = 0
+    state_bytes: int = 0          # state layers: bytes per sequence
+    block_tokens: int = 0         # tokens a block covers, when not the engine's block_size (V4: 256)
+    page_align: int = 1           # pages padded to a multiple of this many bytes (V4: 576)
+    window_block_tokens: int = 0  # compressed: block size of the raw window cache (V4: 64)
+
+    def check(self, where: str) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise ConfigError(f"layer kind '{self.kind}' is unknown, {where}, "
+                              f"use one of: {', '.join(LAYER_KINDS)}")
+        if self.count < 1:
+            raise ConfigError(f"a layer group needs count >= 1, {where}, fix count")
+        if self.kind in WINDOWED and self.window < 1:
+            raise ConfigError(f"{self.kind} layers need window >= 1 (their window or chunk), "
+                              f"{where}, set window")
+        if self.kind == "compressed" and (self.ratio < 1 or self.window < 0):
+            raise ConfigError(f"compressed layers need ratio >= 1 and window >= 0, {where}")
+        if self.kind == "state" and self.state_bytes <= 0:
+            raise ConfigError(f"state layers need state_bytes > 0, {where}, set state_bytes")
+
+
+def layer_group(values: dict, where: str) -> LayerGroup:
+    known = {f.name for f in fields(LayerGroup)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown layer field(s) {', '.join(unknown)}, {where}, "
+                          f"use only: {', '.join(sorted(known))}")
+    if "kind" not in values or "count" not in values:
+        raise ConfigError(f"a layer group needs kind and count, {where}")
+    group = LayerGroup(**values)
+    group.check(where)
+    return group
+
+
+# -- what one sequence stores ----------------------------------------------------------------
+def live_window_tokens(group: LayerGroup, tokens: int) -> int:
+    """Raw tokens a windowed or compressed layer keeps at context length `tokens`."""
+    if tokens <= 0:
+        return 0
+    if group.kind == "chunked":
+        return (tokens - 1) % group.window + 1
+    return min(tokens, group.window)
+
+
+def stored_entries(group: LayerGroup, tokens: int) -> int:
+    """Entries of the layer's main cache (full history, pooled, or the window)."""
+    if group.kind in ("full", "mla", "dsa"):
+        return tokens
+    if group.kind in WINDOWED:
+        return live_window_tokens(group, tokens)
+    if group.kind == "compressed":
+        return tokens // group.ratio
+    return 0  # shared, state
+
+
+def attended_entries(group: LayerGroup, tokens: int) -> int:
+    """Entries one query reads at context length `tokens` (decode attention's reach)."""
+    if group.kind == "compressed":
+        pooled = tokens // group.ratio
+        return (min(pooled, group.top_k) if group.top_k else pooled) + live_window_tokens(group, tokens)
+    if group.kind == "dsa":
+        return min(tokens, group.top_k) if group.top_k else tokens
+    return stored_entries(group, tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class KindUsage:
+    """One layer group's KV for `batch` sequences of `tokens` (bytes over all its layers)."""
+    kind: str
+    layers: int
+    entries: int             # main-cache entries per sequence per layer
+    entry_bytes: float
+    stored_bytes: float      # entries x entry bytes (x layers x batch)
+    indexer_bytes: float     # indexer keys
+    window_bytes: float      # a compressed layer's raw window
+    state_bytes: float
+    allocated_bytes: float   # whole blocks (pages) the engine holds, layer padding included
+    freed_tokens: int        # per sequence: tokens that left a window (their blocks freed)
+
+    @property
+    def padding_bytes(self) -> float:
+        return self.allocated_bytes - self.stored_bytes - self.indexer_bytes - self.window_bytes - self.state_bytes
+
+
+def _blocks_over(first_token: int, end_token: int, block: int) -> int:
+    """Blocks of `block` tokens that hold any of tokens [first_token, end_token)."""
+    if end_token <= first_token:
+        return 0
+    return (end_token - 1) // block - first_token // block + 1
+
+
+def _aligned(nbytes: float, align: int) -> float:
+    return math.ceil(nbytes / align) * align if align > 1 else nbytes
+
+
+def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, block_size: int,
+               padded_layers: int) -> KindUsage:
+    """`padded_layers` >= count: the layers whose pages the engine allocates (group padding)."""
+    layers, n = group.count, batch * group.count
+    entries = stored_entries(group, tokens)
+    stored = n * entries * entry_bytes
+    indexer = n * entries * group.indexer_entry_bytes
+    window = state = 0.0
+    freed = 0
+    if group.kind in ("full", "mla", "dsa"):
+        page = block_size * (entry_bytes + group.indexer_entry_bytes)
+        allocated = batch * padded_layers * _blocks_over(0, tokens, block_size) * page
+    elif group.kind in WINDOWED:
+        live = live_window_tokens(group, tokens)
+        freed = tokens - live
+        block = group.block_tokens or block_size
+        page = _aligned(block * entry_bytes, group.page_align)
+        allocated = batch * padded_layers * _blocks_over(tokens - live, tokens, block) * page
+    elif group.kind == "compressed":
+        block = group.block_tokens or block_size
+        per_block = max(block // group.ratio, 1)  # entries a block holds
+        blocks = -(-entries // per_block)
+        page = _aligned(per_block * entry_bytes, group.page_align)
+        index_page = _aligned(per_block * group.indexer_entry_bytes, group.page_align) if group.indexer_entry_bytes else 0
+        live = live_window_tokens(group, tokens)
+        window = n * live * entry_bytes
+        window_block = group.window_block_tokens or block_size
+        window_pages = _blocks_over(tokens - live, tokens, window_block)
+        freed = tokens - live
+        allocated = n * (blocks * (page + index_page)
+                         + window_pages * _aligned(window_block * entry_bytes, group.page_align))
+    elif group.kind == "state":
+        state = allocated = float(n * group.state_bytes)
+    else:  # shared
+        allocated = 0.0
+    return KindUsage(group.kind, layers, entries, entry_bytes, stored, indexer, window, state,
+                     allocated, freed)
+
+
+def padded_layer_counts(groups, page_bytes) -> list[int]:
+    """vLLM's hybrid manager: kinds of one page size form groups of the smallest kind's layer
+    count; each kind's layers fill whole groups (the last padded). Kinds outside those groups,
+    and models with a single grouped kind, allocate their own layers only."""
+    grouped = [i for i, g in enumerate(groups) if g.kind in GROUPED]
+    padded = [g.count for g in groups]
+    if len(grouped) < 2 or len({page_bytes[i] for i in grouped}) > 1:
+        return padded
+    size = min(groups[i].count for i in grouped)
+    for i in grouped:
+        padded[i] = -(-groups[i].count // size) * size
+    return padded
