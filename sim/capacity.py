@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.errors import ConfigError
+from sim.kv_layout import HybridLayout, hybrid_layout
 from sim.latency.profile import GpuProfile
 from sim.models import ModelSpec
 
@@ -25,6 +26,9 @@ class KvPool:
     bytes_per_token: float  # per replica, replicas of a token across ranks included
     block_size: int
     num_blocks: int
+    # Models with sliding or chunked layers: vLLM's hybrid layout (a block is then one page of a
+    # KV-cache group, and bytes_per_token a token of one such page).
+    layout: HybridLayout | None = None
 
     @property
     def num_slots(self) -> int:
@@ -47,18 +51,30 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
                  kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1) -> KvPool:
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     most_layers = -(-model.num_layers // pp)  # ceil: the most loaded stage
-    bytes_per_token = (model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
-                       * (most_layers * pp / model.num_layers))
+    layout = hybrid_layout(model.layer_groups)
+    per_token = model.kv_bytes_per_token(kv_dtype) if layout is None else _page_bytes_per_token(model, layout, kv_dtype)
+    bytes_per_token = per_token * model.kv_replication(tp) * (most_layers * pp / model.num_layers)
     if kv_cache_memory_bytes is not None:
         pool = float(kv_cache_memory_bytes) * tp * pp
     else:
         pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
-    if num_blocks * block_size < max_model_len:
+    pages_per_block = sum(groups for _, groups in layout.kinds) if layout else 1  # a whole sequence's pages
+    if num_blocks * block_size < max_model_len * pages_per_block:
         raise ConfigError(_does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len,
                                         gpu_memory_utilization, activation_reserve_bytes,
                                         kv_cache_memory_bytes is not None, kv_dtype))
-    return KvPool(int(pool), bytes_per_token, block_size, num_blocks)
+    return KvPool(int(pool), bytes_per_token, block_size, num_blocks, layout)
+
+
+def _page_bytes_per_token(model: ModelSpec, layout: HybridLayout, kv_dtype: str) -> float:
+    """A token of one hybrid page: group_size layers of one entry each (one page size for all)."""
+    sizes = {model.entry_bytes(group, kv_dtype) for group, _ in layout.kinds}
+    if len(sizes) > 1:
+        raise ConfigError(f"model {model.name} mixes layer kinds of different entry sizes ({sorted(sizes)} B), "
+                          f"which the hybrid allocator does not pad to one page size yet, key model, "
+                          f"give its layers one entry size")
+    return layout.group_size * sizes.pop()
 
 
 def _does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len, utilization,

@@ -3,9 +3,9 @@
 Each variant changes only the model's KV fields (heads, latent width, shared layers, layer kinds)
 and keeps the base model's weights and parameter count, so what moves is the KV cache: bytes per
 token, how many sequences fit, and what the serving numbers become. Each runs in BF16 and FP8 KV on
-each workload with the paged allocator. Variants whose layers the simulator does not model yet
-(sliding windows, compressed layers: issue 11's hybrid allocator) get their memory figures from
-sim.kv_layout and no serving figures, and the run says so.
+each workload with the paged allocator (vLLM's hybrid manager for the sliding-window variant).
+Variants whose layers the simulator does not model yet (DeepSeek-V4's compressed layers) get their
+memory figures from sim.kv_layout and no serving figures, and the run says so.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def run_kv_axes(cfg: DictConfig, compose_workload, simulate_run, mean_tokens_of)
                 model = model_from_config(vcfg.model)
                 dtype = resolve_kv_dtype(model, kv_dtype)
                 row = {"workload": workload_name, "variant": variant, "kv_dtype": dtype}
-                if model.is_uniform:
+                if not model.unsimulated_kinds:
                     setup, result = simulate_run(vcfg, f"{workload_name}/{variant}/{dtype}")
                     row.update(_memory_row(model, dtype, setup.spec.tensor_parallel_size, mean_tokens))
                     m = result.metrics
@@ -81,8 +81,8 @@ def run_kv_axes(cfg: DictConfig, compose_workload, simulate_run, mean_tokens_of)
                                **_memory_row(model, dtype, int(vcfg.tensor_parallel_size), mean_tokens))
                 rows.append(row)
     if skipped:
-        print(f"note: {len(skipped)} variant runs not simulated (sliding or compressed layers: the simulator's "
-              f"hybrid allocator is not built yet; memory columns only): {', '.join(skipped)}", file=sys.stderr)
+        print(f"note: {len(skipped)} variant runs not simulated (layer kinds the simulator does not model yet, "
+              f"python -m sim kv prices them; memory columns only): {', '.join(skipped)}", file=sys.stderr)
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 

@@ -193,3 +193,71 @@ def padded_layer_counts(groups, page_bytes) -> list[int]:
     for i in grouped:
         padded[i] = -(-groups[i].count // size) * size
     return padded
+
+
+# -- what one step's attention reads, per layer group ------------------------------------------
+PLAIN_ATTENTION = ("full", "mla", "shared")  # every query reads the whole context
+TIMED = ("full", "mla", "shared", "sliding", "chunked", "dsa")  # kinds the step time models
+
+
+def _window_sum(n: int, w: int) -> int:
+    """sum over i = 1..n of min(i, w): keys read by queries at positions 0..n-1 under a window w."""
+    return n * (n + 1) // 2 if n <= w else w * (w + 1) // 2 + (n - w) * w
+
+
+def _chunk_sum(n: int, size: int) -> int:
+    """sum over positions p < n of p % size + 1: keys read under chunked-local attention."""
+    whole, rest = divmod(n, size)
+    return whole * size * (size + 1) // 2 + rest * (rest + 1) // 2
+
+
+def decode_reach(group: LayerGroup, context: int) -> int:
+    """Keys one layer's decode query reads when the context (its own token included) is `context`."""
+    if group.kind == "sliding":
+        return min(context, group.window)
+    if group.kind == "chunked":
+        return (context - 1) % group.window + 1
+    if group.kind == "dsa" and group.top_k:
+        return min(context, group.top_k)
+    return context
+
+
+def prefill_reach(group: LayerGroup, cached: int, new: int) -> tuple[int, int, int]:
+    """(pairs against cached keys, causal pairs within the chunk, KV tokens read) of one layer for a
+    chunk of `new` tokens after `cached` ones; a DSA layer's top-k counts as a window of k."""
+    if group.kind == "sliding" or (group.kind == "dsa" and group.top_k):
+        w = group.window if group.kind == "sliding" else group.top_k
+        causal = _window_sum(new, w)
+        total = _window_sum(cached + new, w) - _window_sum(cached, w)
+        return total - causal, causal, min(cached, w - 1) + new
+    if group.kind == "chunked":
+        size, start = group.window, cached // group.window * group.window
+        first = min(new, start + size - cached)  # queries in the cached tokens' attention chunk
+        later = _chunk_sum(cached + new, size) - _chunk_sum(cached + first, size)
+        causal = first * (first + 1) // 2 + later
+        total = _chunk_sum(cached + new, size) - _chunk_sum(cached, size)
+        return total - causal, causal, cached - start + new
+    return new * cached, new * (new + 1) // 2, cached + new
+
+
+def indexer_keys(group: LayerGroup, context: int) -> int:
+    """Keys a DSA or CSA indexer scores for one query at that context (all of them)."""
+    return context if group.indexer_entry_bytes and group.kind == "dsa" else 0
+
+
+@dataclass(frozen=True, slots=True)
+class HybridLayout:
+    """vLLM's hybrid KV cache manager for a model with window or chunk layers: KV-cache groups of
+    `group_size` layers share one page size; each kind fills `groups` of them (the last padded)."""
+    group_size: int
+    kinds: tuple[tuple[LayerGroup, int], ...]  # (a storing layer kind, its KV-cache groups)
+
+
+def hybrid_layout(groups: tuple[LayerGroup, ...]) -> HybridLayout | None:
+    """The layout of a model with sliding or chunked layers (None for any other model)."""
+    if not any(g.kind in WINDOWED for g in groups):
+        return None
+    storing = [g for g in groups if g.kind not in ("shared", "state")]
+    padded = padded_layer_counts(storing, [0] * len(storing))  # equal page sizes checked by the caller
+    size = min(g.count for g in storing) if len(storing) > 1 else storing[0].count
+    return HybridLayout(size, tuple((g, p // size) for g, p in zip(storing, padded)))

@@ -16,7 +16,8 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from sim.errors import ConfigError, UnknownNameError
-from sim.kv_layout import KindUsage, LayerGroup, kind_usage, layer_group, padded_layer_counts
+from sim.kv_layout import (PLAIN_ATTENTION, TIMED, KindUsage, LayerGroup, kind_usage, layer_group,
+                           padded_layer_counts)
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
@@ -91,10 +92,19 @@ class ModelSpec:
         return (stored, LayerGroup("shared", shared)) if shared else (stored,)
 
     @property
-    def is_uniform(self) -> bool:
-        """Every layer of one attention kind in the model's own widths (what the simulator's
-        allocators and step times model; hybrid layouts are priced by `python -m sim kv`)."""
-        return all(g.kind in ("full", "mla", "shared") and not g.entry_bytes for g in self.layer_groups)
+    def unsimulated_kinds(self) -> list[str]:
+        """Layer kinds the simulator's allocators and step times do not model yet (compressed
+        and state layers, and layers of given entry bytes beside windows); `sim kv` prices them."""
+        kinds = {g.kind for g in self.layer_groups} - set(TIMED)
+        if any(g.entry_bytes for g in self.layer_groups if g.kind in ("sliding", "chunked")):
+            kinds.add("given-bytes window")
+        return sorted(kinds)
+
+    @property
+    def attention_groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups, when they read different parts of the context (else ())."""
+        plain = all(g.kind in PLAIN_ATTENTION for g in self.layer_groups)
+        return () if plain else self.layer_groups
 
     def entry_bytes(self, group: LayerGroup, kv_dtype: str | None = None) -> float:
         """Bytes of one stored entry of one layer of `group` (given bytes win over the dtype)."""

@@ -98,11 +98,10 @@ def _instantiate(cfg, where: str, **kwargs):
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     model = model_from_config(cfg.model)
-    if not model.is_uniform:
-        kinds = sorted({g.kind for g in model.layer_groups} - {"full", "mla", "shared"}) or ["given-bytes"]
-        raise ConfigError(f"model {model.name} has {', '.join(kinds)} layers, which the simulator's "
-                          f"allocators and step times do not model yet (python -m sim kv prices them), "
-                          f"key model, choose a model whose layers are all full, MLA or shared")
+    if model.unsimulated_kinds:
+        raise ConfigError(f"model {model.name} has {', '.join(model.unsimulated_kinds)} layers, which the "
+                          f"simulator's allocators and step times do not model yet (python -m sim kv prices "
+                          f"them), key model, choose a model without them")
     spec = engine_spec(cfg, model.max_position_embeddings)
     if spec.quantization:  # weights (and so GEMM inputs) in the quantized type
         model = dataclasses.replace(model, weight_dtype=spec.quantization)
@@ -205,7 +204,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
                                    spec.enable_chunked_prefill, spec.max_model_len,
                                    spec.preemption_mode, swap_tokens,
-                                   spec.scheduler_reserve_full_isl, spec.watermark)
+                                   spec.scheduler_reserve_full_isl, spec.watermark,
+                                   setup.model.attention_groups)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
     for index in range(spec.num_replicas):

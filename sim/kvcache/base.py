@@ -18,6 +18,14 @@ class PrefixHit:
 NO_HIT = PrefixHit(0)
 
 
+def refuse_hybrid_layout(pool, allocator: str) -> None:
+    """Only the paged allocator (sim.kvcache.hybrid) takes a model with window or chunk layers."""
+    if getattr(pool, "layout", None) is not None:
+        from sim.errors import ConfigError
+        raise ConfigError(f"the {allocator} allocator does not take a model with sliding or chunked layers "
+                          f"yet, key allocators, use allocators=[paged]")
+
+
 @dataclass(frozen=True, slots=True)
 class KVUsage:
     """Token slots of one KV pool by category; the six categories sum to capacity.

@@ -58,6 +58,9 @@ class BlockAllocator:
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False,
                   eviction: str = "lru") -> "BlockAllocator":
+        if getattr(pool, "layout", None) is not None:  # sliding or chunked layers: vLLM's hybrid manager
+            from sim.kvcache.hybrid import HybridBlockAllocator
+            return HybridBlockAllocator.from_pool(pool, max_model_len, enable_caching, eviction)
         return cls(pool.num_blocks, pool.block_size, enable_caching, eviction)
 
     @property

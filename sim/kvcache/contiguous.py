@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from sim.errors import ConfigError
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token, slack_split
+from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token, refuse_hybrid_layout,
+                              slack_split)
 from sim.kvcache.placement import PLACEMENTS
 
 RESERVE_POLICIES = ("max", "pow2", "oracle")
@@ -59,6 +60,7 @@ class ContiguousAllocator:
     @classmethod
     def from_pool(cls, pool, max_model_len: int, reserve: str = "max",
                   placement: str = "first_fit") -> "ContiguousAllocator":
+        refuse_hybrid_layout(pool, "contiguous")
         return cls(pool.num_token_slots, max_model_len, reserve, placement)
 
     @property

@@ -26,7 +26,7 @@ import heapq
 
 from sim.errors import ConfigError
 from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
-                              last_step_that_fits, slack_split)
+                              last_step_that_fits, refuse_hybrid_layout, slack_split)
 from sim.kvcache.eviction import EVICTION_POLICIES
 
 
@@ -70,6 +70,7 @@ class RadixAllocator:
     @classmethod
     def from_pool(cls, pool, max_model_len: int, page_size: int = 1,
                   eviction: str = "lru") -> "RadixAllocator":
+        refuse_hybrid_layout(pool, "radix")
         return cls(int(pool.pool_bytes // (pool.bytes_per_token * page_size)), page_size, eviction)
 
     @property

@@ -74,6 +74,10 @@ class BatchShape:
     num_sampled: int = 0
     swap_tokens: int = 0
     copy_tokens: int = 0
+    # Models whose layer groups read different parts of the context: per group (decode keys,
+    # prefill pairs against the cache, causal pairs, prefill KV tokens, indexer keys of decodes,
+    # indexer pairs of prefills), summed over the batch (sim.kv_layout's reach).
+    group_attention: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +87,9 @@ class BatchShape:
         """One of `parts` equal micro-batches (pipeline parallelism); sums become shares."""
         if parts == 1:
             return self
-        return BatchShape(*(getattr(self, name) / parts for name in self.__dataclass_fields__))
+        groups = tuple(tuple(v / parts for v in group) for group in self.group_attention)
+        return BatchShape(*(getattr(self, name) / parts for name in self.__dataclass_fields__
+                            if name != "group_attention"), groups)
 
 
 class LatencyModel:
@@ -102,6 +108,11 @@ class LatencyModel:
         kv_split = 1 if model.is_mla else min(tp, model.num_kv_heads)
         self.kv_bytes_per_token_layer_rank = (
             model.kv_elements_per_token_per_layer * DTYPE_BYTES[kv_dtype] / kv_split)
+        # Per layer group (models whose groups read different parts of the context): bytes of one
+        # entry on one rank (a shared group reads its source's, the first storing group's).
+        source = next((g for g in model.layer_groups if g.kind not in ("shared", "state")), None)
+        self.group_kv_bytes = [model.entry_bytes(source if g.kind == "shared" and source else g, kv_dtype) / kv_split
+                               for g in model.layer_groups]
         # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
         self.kv_bytes_per_token_rank = (model.kv_bytes_per_token(kv_dtype) * model.kv_replication(tp)
                                         / tp / self.pp)
@@ -233,12 +244,14 @@ class LatencyModel:
         }
         if self.expert_parallel:
             times["all_to_all"] = all_to_all
-        if shape.num_prefill_tokens:
+        if shape.group_attention:
+            self._group_attention(shape, times)
+        elif shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
             cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
             if self.mla_up_gemm and cached > 0:
                 times["mla_up_projection"] = m.num_layers * self._gemms(cached, [self.mla_up_gemm])
-        if shape.num_decode_seqs:
+        if shape.num_decode_seqs and not shape.group_attention:
             times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
         if self.pp > 1:
             times["send_recv"] = (self.pp - 1) * self.send_recv_time(padded)
@@ -277,20 +290,51 @@ class LatencyModel:
         return self.all_to_all_op.time(f"{self.tp}gpus", message_bytes,
                                        lambda size: all_to_all_work(size, self.tp))
 
-    def attention_prefill_time(self, shape: BatchShape) -> float:
+    def attention_prefill_time(self, shape: BatchShape, kv_bytes: float | None = None, heads: float | None = None,
+                               dims: tuple[float, float] | None = None) -> float:
         """One layer's prefill attention on one GPU; the correction axis is the mean chunk."""
         work = attention_prefill_work(
             shape.num_prefill_seqs, shape.prefill_context_pairs, shape.prefill_causal_pairs,
-            shape.prefill_kv_tokens, shape.num_prefill_tokens, self.heads_per_rank, *self.prefill_dims,
-            self.kv_bytes_per_token_layer_rank)
+            shape.prefill_kv_tokens, shape.num_prefill_tokens, heads or self.heads_per_rank,
+            *(dims or self.prefill_dims), self.kv_bytes_per_token_layer_rank if kv_bytes is None else kv_bytes)
         return self.prefill_op.time(self.attention_class, shape.num_prefill_tokens / max(shape.num_prefill_seqs, 1),
                                     lambda _: work)
 
-    def attention_decode_time(self, shape: BatchShape) -> float:
+    def attention_decode_time(self, shape: BatchShape, kv_bytes: float | None = None, heads: float | None = None,
+                              dims: tuple[float, float] | None = None) -> float:
         """One layer's decode attention on one GPU; the correction axis is the cached tokens read."""
+        kv_bytes = self.kv_bytes_per_token_layer_rank if kv_bytes is None else kv_bytes
         return self.decode_op.time(self.attention_class, shape.decode_context_tokens, lambda tokens: (
-            attention_decode_work(shape.num_decode_seqs, tokens, self.heads_per_rank, *self.decode_dims,
-                                  self.kv_bytes_per_token_layer_rank)))
+            attention_decode_work(shape.num_decode_seqs, tokens, heads or self.heads_per_rank,
+                                  *(dims or self.decode_dims), kv_bytes)))
+
+    def _group_attention(self, shape: BatchShape, times: dict) -> None:
+        """Each layer group's attention over what it reads (BatchShape.group_attention): its own
+        context sums in the same operators, at its own bytes per entry; a DSA group's indexer
+        scores every cached key with its heads (FP8 keys, REFERENCE.md section 8)."""
+        prefill = decode = indexer = 0.0
+        for group, kv_bytes, (keys, pairs, causal, kv, index_keys, index_pairs) in zip(
+                self.model.layer_groups, self.group_kv_bytes, shape.group_attention):
+            if shape.num_prefill_tokens:
+                part = dataclasses.replace(shape, prefill_context_pairs=pairs, prefill_causal_pairs=causal,
+                                           prefill_kv_tokens=kv)
+                prefill += group.count * self.attention_prefill_time(part, kv_bytes)
+            if shape.num_decode_seqs:
+                decode += group.count * self.attention_decode_time(
+                    dataclasses.replace(shape, decode_context_tokens=keys), kv_bytes)
+            if group.indexer_heads and (index_keys or index_pairs):
+                dims = (group.indexer_head_dim, 0)
+                if index_pairs:
+                    part = dataclasses.replace(shape, prefill_context_pairs=index_pairs, prefill_causal_pairs=0,
+                                               prefill_kv_tokens=0)
+                    indexer += group.count * self.attention_prefill_time(part, 0.0, group.indexer_heads, dims)
+                if index_keys:
+                    indexer += group.count * self.attention_decode_time(
+                        dataclasses.replace(shape, decode_context_tokens=index_keys), group.indexer_entry_bytes,
+                        group.indexer_heads, dims)
+        times["attention_prefill"], times["attention_decode"] = prefill, decode
+        if indexer:
+            times["attention_indexer"] = indexer
 
     def swap_time(self, num_tokens: int) -> float:
         """Each rank (of every stage) moves its share of the tokens' KV over its own host link."""

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sim.kv_layout import decode_reach, indexer_keys, prefill_reach
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
 from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
@@ -51,6 +52,10 @@ class SchedulerSpec:
     swap_space_tokens: int = 0
     reserve_full_isl: bool = True
     watermark: float = 0.0
+    # A model whose layers read different parts of the context (sliding, chunked-local, DSA): its
+    # layer groups, so that each step's shape carries what each group reads (BatchShape.
+    # group_attention); such a batch is planned sequence by sequence (no decode cohort).
+    attention_groups: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,8 @@ class Scheduler:
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
+        if spec.attention_groups:  # per-group reach needs every sequence's context
+            new_cohort = None
         self._cohort = DecodeCohort(new_cohort(), spec.max_model_len) if new_cohort else None
 
     def add(self, seq: Sequence) -> None:
@@ -155,7 +162,8 @@ class Scheduler:
                 budget = self._admit(scheduled, budget)
         copied = getattr(self.allocator, "num_copied_tokens", 0)  # forks at the last commit, copy-on-write now
         copy_tokens, self._copied_tokens = copied - self._copied_tokens, copied
-        shape = _shape(scheduled, self._swap_tokens, copy_tokens, len(cohort), cohort.context_tokens if cohort else 0)
+        shape = _shape(scheduled, self._swap_tokens, copy_tokens, len(cohort), cohort.context_tokens if cohort else 0,
+                       self.spec.attention_groups)
         return StepPlan(tuple(scheduled), shape, num_preempted, tuple(running[:len(cohort)]))
 
     def _step_cohort(self, budget: int):
@@ -290,6 +298,8 @@ class Scheduler:
         join; at most until the first sequence finishes or a next token finds no memory."""
         running, shape = self.running, plan.shape
         num_seqs = len(running)
+        if self.spec.attention_groups:  # per-group reach is not a stretch's linear sum
+            return 1
         if (plan.num_preempted or self.swapped or shape.num_prefill_tokens or shape.swap_tokens
                 or shape.copy_tokens or shape.num_decode_seqs != num_seqs or plan.batch_size != num_seqs):
             return 1
@@ -363,9 +373,9 @@ class Scheduler:
 
 
 def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: int = 0,
-           cohort_context: int = 0) -> BatchShape:
+           cohort_context: int = 0, attention_groups: tuple = ()) -> BatchShape:
     """The batch of `scheduled` plus a decode cohort of cohort_seqs sequences whose contexts
-    (new tokens included) sum to cohort_context."""
+    (new tokens included) sum to cohort_context; with attention_groups, what each group reads."""
     prefill_tokens = prefill_seqs = prefill_kv = 0
     decode_seqs, decode_context, sampled = cohort_seqs, cohort_context, cohort_seqs
     context_pairs = causal_pairs = 0
@@ -382,5 +392,27 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
         prefill_kv += context + num_new
         context_pairs += num_new * context
         causal_pairs += num_new * (num_new + 1) // 2
+    groups = _group_attention(scheduled, attention_groups) if attention_groups else ()
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
-                      decode_context, sampled, swap_tokens, copy_tokens)
+                      decode_context, sampled, swap_tokens, copy_tokens, groups)
+
+
+def _group_attention(scheduled, groups) -> tuple[tuple[int, ...], ...]:
+    """Per layer group: (decode keys, prefill pairs against the cache, causal pairs, prefill KV
+    tokens, indexer keys of decodes, indexer pairs of prefills) summed over the batch, split
+    into decode and prefill as _shape splits it."""
+    out = []
+    for group in groups:
+        decode = context_pairs = causal = kv = index_decode = index_pairs = 0
+        for seq, num_new in scheduled:
+            context = seq.num_computed
+            if num_new == 1 and seq.num_output and context + 1 == seq.num_tokens:
+                decode += decode_reach(group, context + 1)
+                index_decode += indexer_keys(group, context + 1)
+            else:
+                pairs, within, read = prefill_reach(group, context, num_new)
+                context_pairs, causal, kv = context_pairs + pairs, causal + within, kv + read
+                if indexer_keys(group, 1):
+                    index_pairs += num_new * context + num_new * (num_new + 1) // 2
+        out.append((decode, context_pairs, causal, kv, index_decode, index_pairs))
+    return tuple(out)

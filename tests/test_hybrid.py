@@ -1,0 +1,185 @@
+"""Models with sliding-window, chunked-local and DSA layers in the simulator: vLLM's hybrid KV
+cache manager (sim.kvcache.hybrid) and per-group attention (sim.kv_layout reach, REFERENCE.md 8)."""
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from sim.errors import ConfigError
+from sim.kv_layout import LayerGroup, decode_reach, hybrid_layout, prefill_reach
+from sim.kvcache.hybrid import HybridBlockAllocator
+from sim.latency.model import BatchShape, LatencyModel
+from sim.latency.profile import load_profile
+from sim.models import load_model, model_from_dict
+from sim.run import prepare, run_all
+from tests.conftest import compose_config
+
+SMALL = ["+experiment=golden", "allocators=[paged]", "scenario.num_sessions=30"]
+
+
+def brute_force(group, cached, new):
+    """Pairs against the cache and within the chunk, query by query."""
+    pairs = causal = 0
+    for p in range(cached, cached + new):
+        if group.kind == "sliding":
+            keys = range(max(0, p - group.window + 1), p + 1)
+        elif group.kind == "chunked":
+            keys = range(p // group.window * group.window, p + 1)
+        else:
+            keys = range(p + 1)
+        for key in keys:
+            causal, pairs = (causal + 1, pairs) if key >= cached else (causal, pairs + 1)
+    return pairs, causal
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(["sliding", "chunked", "full"]), window=st.integers(1, 50),
+       cached=st.integers(0, 150), new=st.integers(1, 70))
+def test_what_each_kind_reads_matches_a_query_by_query_count(kind, window, cached, new):
+    group = LayerGroup(kind, 1, window=0 if kind == "full" else window)
+    assert prefill_reach(group, cached, new)[:2] == brute_force(group, cached, new)
+    assert decode_reach(group, cached + 1) == sum(brute_force(group, cached, 1))
+
+
+def metrics_of(cfg):
+    metrics = run_all(cfg)[0].metrics
+    metrics.pop("wall_time_s")
+    return metrics
+
+
+@pytest.mark.parametrize("layers", [
+    [{"kind": "sliding", "window": 10**6}],
+    [{"kind": "chunked", "window": 10**6}],
+    [{"kind": "sliding", "window": 10**6, "half": True}, {"kind": "full"}],
+])
+def test_a_window_longer_than_any_sequence_gives_the_full_attention_results(layers):
+    # Memory (the hybrid manager) and time (per-group reach, no stretches) both reduce exactly to
+    # the plain model's when no token ever leaves a window.
+    base = compose_config("run", SMALL)
+    cfg = base.copy()
+    OmegaConf.set_struct(cfg, False)
+    model = OmegaConf.to_container(cfg.model)
+    n = model["num_layers"]
+    counts = [n // 2, n - n // 2] if len(layers) == 2 else [n]
+    model["layers"] = [{k: v for k, v in g.items() if k != "half"} | {"count": c} for g, c in zip(layers, counts)]
+    cfg.model = model
+    assert metrics_of(cfg) == metrics_of(base)
+
+
+def make_allocator(num_blocks=64, block_size=4):
+    groups = (LayerGroup("sliding", 5, window=6), LayerGroup("full", 2))
+    return HybridBlockAllocator(num_blocks, block_size, hybrid_layout(groups))
+
+
+def seq(seq_id, final_len=1000):
+    return SimpleNamespace(seq_id=seq_id, final_len=final_len)
+
+
+def test_the_layout_groups_layers_by_the_smallest_kind_and_pads_the_last_group():
+    layout = hybrid_layout((LayerGroup("sliding", 5, window=6), LayerGroup("full", 2)))
+    assert layout.group_size == 2 and [groups for _, groups in layout.kinds] == [3, 1]  # 5 -> 6, 1 padding
+    gemma = hybrid_layout(load_model("gemma3_27b").layer_groups)
+    assert gemma.group_size == 10 and [g for _, g in gemma.kinds] == [6, 1]  # REFERENCE.md 8
+
+
+def test_window_blocks_leave_on_time_and_nothing_leaks():
+    allocator, s = make_allocator(), seq(1)
+    assert allocator.allocate(s, 10) == ()  # 3 blocks per group: 3 sliding groups + 1 full group
+    assert allocator.num_free == 64 - 4 * 3
+    for computed in range(10, 40):
+        allocator.allocate(s, 1)
+        first = max(0, computed - 6 + 1)  # vLLM frees blocks no query from `computed` on reads
+        sliding_blocks = computed // 4 - first // 4 + 1
+        full_blocks = computed // 4 + 1
+        assert allocator.num_free == 64 - 3 * sliding_blocks - full_blocks
+        assert sliding_blocks <= -(-6 // 4) + 1
+    usage = allocator.usage()
+    assert sum(usage.as_tuple()) == usage.capacity
+    allocator.free(s)
+    assert allocator.num_free == 64 and not allocator.seqs
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9)), min_size=1, max_size=60))
+def test_pages_are_conserved_and_usage_adds_up(ops):
+    allocator, lengths = make_allocator(num_blocks=40), {}
+    for seq_id, tokens in ops:
+        s = seq(seq_id, final_len=30)
+        if seq_id in lengths and lengths[seq_id] + tokens > 30:
+            allocator.free(s)
+            del lengths[seq_id]
+            continue
+        if allocator.allocate(s, tokens) is not None:
+            lengths[seq_id] = lengths.get(seq_id, 0) + tokens
+        usage = allocator.usage()
+        assert sum(usage.as_tuple()) == usage.capacity and min(usage.as_tuple()) >= 0
+        assert usage.free == allocator.num_free * 4 * 2
+    for seq_id in list(lengths):
+        allocator.free(seq(seq_id))
+    assert allocator.num_free == 40
+
+
+def test_a_shorter_window_fits_more_and_reads_less():
+    def run(window):
+        cfg = compose_config("run", [*SMALL, "model=llama3_8b"])
+        OmegaConf.set_struct(cfg, False)
+        model = OmegaConf.to_container(cfg.model)
+        model["layers"] = [{"kind": "sliding", "count": 24, "window": window}, {"kind": "full", "count": 8}]
+        cfg.model = model
+        return metrics_of(cfg)
+    short, long = run(256), run(10**6)
+    assert short["scheduler"]["mean_batch_size"] >= long["scheduler"]["mean_batch_size"]
+    assert short["kv"]["token_states_of_capacity"] < long["kv"]["token_states_of_capacity"]
+    base = load_model("llama3_8b")
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    for window, expected in ((256, 256), (10**6, 8000)):
+        model = model_from_dict({**fields, "layers": [{"kind": "sliding", "count": 24, "window": window},
+                                                      {"kind": "full", "count": 8}]})
+        latency = LatencyModel(model, load_profile("h100"), 1, "bf16")
+        shape = BatchShape(num_decode_seqs=1, decode_context_tokens=8000, num_sampled=1,
+                           group_attention=((min(8000, window), 0, 0, 0, 0, 0), (8000, 0, 0, 0, 0, 0)))
+        reads = latency.decode_op.time(latency.attention_class, expected, lambda t: (0.0, t * latency.group_kv_bytes[0], 1, 0.0))
+        assert latency.breakdown(shape)["attention_decode"] >= 24 * reads  # a window's layers read its keys only
+        if window == 256:
+            windowed = latency.breakdown(shape)["attention_decode"]
+        else:
+            assert windowed < 0.5 * latency.breakdown(shape)["attention_decode"]
+
+
+def test_dsa_reads_its_top_k_and_pays_its_indexer():
+    model = load_model("deepseek_v32")
+    latency = LatencyModel(model, load_profile("h200"), 8, "fp8")
+    groups = model.layer_groups
+
+    def decode(context):
+        keys = tuple((decode_reach(g, context) * 4, 0, 0, 0, context * 4, 0) for g in groups)
+        shape = BatchShape(num_decode_seqs=4, decode_context_tokens=4 * context, num_sampled=4, group_attention=keys)
+        return latency.breakdown(shape)
+    short, long = decode(2048), decode(64000)
+    assert long["attention_decode"] == pytest.approx(short["attention_decode"], rel=0.05)  # top-2,048 both
+    assert long["attention_indexer"] > 2.5 * short["attention_indexer"]  # the indexer scores every key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=gemma3_27b", "allocators=[contiguous]"], "contiguous allocator does not take"),
+    (["model=gemma3_27b", "allocators=[prefix]"], "prefix caching for a model with sliding"),
+    (["model=deepseek_v4_flash", "allocators=[paged]"], "compressed"),
+])
+def test_what_the_simulator_cannot_run_yet_is_one_line(overrides, message):
+    cfg = compose_config("run", [*overrides, "gpu=h200", "tensor_parallel_size=8", "max_model_len=8192"])
+    with pytest.raises(ConfigError, match=message):
+        prepare(cfg)
+
+
+def test_layer_kinds_of_different_entry_sizes_are_refused():
+    base = load_model("gemma3_27b")
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    with pytest.raises(ConfigError, match="entry sizes"):
+        from sim.capacity import size_kv_pool
+        odd = model_from_dict({**fields, "layers": [{"kind": "sliding", "count": 52, "window": 1024, "entry_bytes": 100},
+                                                     {"kind": "full", "count": 10}]})
+        size_kv_pool(odd, load_profile("h200"), tensor_parallel_size=1, kv_dtype="bf16", block_size=16,
+                     max_model_len=4096, gpu_memory_utilization=0.9, activation_reserve_bytes=0,
+                     kv_cache_memory_bytes=None)
