@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from sim.errors import ConfigError
 from sim.kv_layout import LayerGroup, decode_reach, hybrid_layout, prefill_reach
-from sim.kvcache.hybrid import HybridBlockAllocator
+from sim.kvcache.hybrid import HybridBlockAllocator, per_kind_shares
 from sim.latency.model import BatchShape, LatencyModel
 from sim.latency.profile import load_profile
 from sim.models import load_model, model_from_dict
@@ -68,9 +68,9 @@ def test_a_window_longer_than_any_sequence_gives_the_full_attention_results(laye
     assert metrics_of(cfg) == metrics_of(base)
 
 
-def make_allocator(num_blocks=64, block_size=4):
+def make_allocator(num_blocks=64, block_size=4, per_kind=None):
     groups = (LayerGroup("sliding", 5, window=6), LayerGroup("full", 2))
-    return HybridBlockAllocator(num_blocks, block_size, hybrid_layout(groups))
+    return HybridBlockAllocator(num_blocks, block_size, hybrid_layout(groups), per_kind)
 
 
 def seq(seq_id, final_len=1000):
@@ -102,9 +102,10 @@ def test_window_blocks_leave_on_time_and_nothing_leaks():
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9)), min_size=1, max_size=60))
-def test_pages_are_conserved_and_usage_adds_up(ops):
-    allocator, lengths = make_allocator(num_blocks=40), {}
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9)), min_size=1, max_size=60),
+       per_kind=st.sampled_from([None, [25, 15]]))
+def test_pages_are_conserved_and_usage_adds_up(ops, per_kind):
+    allocator, lengths = make_allocator(num_blocks=40, per_kind=per_kind), {}
     for seq_id, tokens in ops:
         s = seq(seq_id, final_len=30)
         if seq_id in lengths and lengths[seq_id] + tokens > 30:
@@ -115,10 +116,39 @@ def test_pages_are_conserved_and_usage_adds_up(ops):
             lengths[seq_id] = lengths.get(seq_id, 0) + tokens
         usage = allocator.usage()
         assert sum(usage.as_tuple()) == usage.capacity and min(usage.as_tuple()) >= 0
-        assert usage.free == allocator.num_free * 4 * 2
+        widths = [2] if per_kind is None else [5, 2]
+        assert usage.free == sum(f * 4 * w for f, w in zip(allocator.pool_free, widths))
     for seq_id in list(lengths):
         allocator.free(seq(seq_id))
     assert allocator.num_free == 40
+
+
+def test_per_kind_pools_split_memory_as_tensorrt_llm_does():
+    # NVIDIA/TensorRT-LLM, KVCacheManagerTest.BlockManagerTestWindowSizeToShare: windows 1024 (1
+    # layer), 4096 (3 layers), 8192 (2 layers) get 3.45%, 41.38% and 55.17% of the memory.
+    layout = hybrid_layout((LayerGroup("sliding", 1, window=1024), LayerGroup("sliding", 3, window=4096),
+                            LayerGroup("sliding", 2, window=8192)))
+    assert per_kind_shares(layout, 8192) == pytest.approx([0.0345, 0.4138, 0.5517], abs=1e-4)
+
+
+def test_per_kind_pools_run_without_layer_padding():
+    def run(pools):
+        cfg = compose_config("run", ["+experiment=golden", "allocators=[paged]", "scenario.num_sessions=30",
+                                     f"+allocator_options.paged.pools={pools}", "kv_cache_memory_bytes=1207959552"])
+        OmegaConf.set_struct(cfg, False)
+        model = OmegaConf.to_container(cfg.model)
+        model["layers"] = [{"kind": "sliding", "count": 22, "window": 512}, {"kind": "full", "count": 10}]
+        cfg.model = model
+        return metrics_of(cfg)
+    shared, per_kind = run("shared"), run("per_kind")
+    assert shared["unserved"]["unfinished"] == per_kind["unserved"]["unfinished"] == 0
+    assert shared["kv"]["internal_frag_frac"] > per_kind["kv"]["internal_frag_frac"]  # 8 padding layers
+    small = compose_config("run", [*SMALL, "+allocator_options.paged.pools=per_kind", "model=gemma3_27b",
+                                   "gpu=h200", "max_model_len=32768", "kv_cache_memory_bytes=20000000000"])
+    with pytest.raises(ConfigError, match="pools=per_kind leaves pools of fewer than"):
+        prepare(small)  # a static split can starve a kind of the blocks one whole prompt needs
+    with pytest.raises(ConfigError, match="pools=per_kind applies to models with sliding"):
+        prepare(compose_config("run", [*SMALL, "+allocator_options.paged.pools=per_kind"]))
 
 
 def test_a_shorter_window_fits_more_and_reads_less():

@@ -22,6 +22,7 @@ from operator import is_not
 
 import numpy as np
 
+from sim.errors import ConfigError
 from sim.kvcache.base import (NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token,
                               last_step_that_fits, slack_split)
 from sim.kvcache.block_pool import BlockPool
@@ -57,10 +58,15 @@ class BlockAllocator:
 
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False,
-                  eviction: str = "lru") -> "BlockAllocator":
-        if getattr(pool, "layout", None) is not None:  # sliding or chunked layers: vLLM's hybrid manager
+                  eviction: str = "lru", pools: str = "shared") -> "BlockAllocator":
+        """pools: for a model with sliding or chunked layers, one shared pool (vLLM's hybrid
+        manager) or one per layer kind (TensorRT-LLM's); other models have one kind of block."""
+        if getattr(pool, "layout", None) is not None:
             from sim.kvcache.hybrid import HybridBlockAllocator
-            return HybridBlockAllocator.from_pool(pool, max_model_len, enable_caching, eviction)
+            return HybridBlockAllocator.from_pool(pool, max_model_len, enable_caching, eviction, pools)
+        if pools != "shared":
+            raise ConfigError(f"pools={pools} applies to models with sliding or chunked layers only, "
+                              f"allocator key pools, leave it shared (the default)")
         return cls(pool.num_blocks, pool.block_size, enable_caching, eviction)
 
     @property
