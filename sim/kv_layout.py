@@ -102,16 +102,6 @@ def stored_entries(group: LayerGroup, tokens: int) -> int:
     return 0  # shared, state
 
 
-def attended_entries(group: LayerGroup, tokens: int) -> int:
-    """Entries one query reads at context length `tokens` (decode attention's reach)."""
-    if group.kind == "compressed":
-        pooled = tokens // group.ratio
-        return (min(pooled, group.top_k) if group.top_k else pooled) + live_window_tokens(group, tokens)
-    if group.kind == "dsa":
-        return min(tokens, group.top_k) if group.top_k else tokens
-    return stored_entries(group, tokens)
-
-
 @dataclass(frozen=True, slots=True)
 class KindUsage:
     """One layer group's KV for `batch` sequences of `tokens` (bytes over all its layers)."""

@@ -248,6 +248,7 @@ class LatencyModel:
             self._group_attention(shape, times)
         elif shape.num_prefill_tokens:
             times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
+        if shape.num_prefill_tokens:  # (the whole cached prefix, as the plain model decompresses it)
             cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
             if self.mla_up_gemm and cached > 0:
                 times["mla_up_projection"] = m.num_layers * self._gemms(cached, [self.mla_up_gemm])
