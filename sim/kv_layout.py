@@ -121,7 +121,7 @@ class KindUsage:
         return self.allocated_bytes - self.stored_bytes - self.indexer_bytes - self.window_bytes - self.state_bytes
 
 
-def _blocks_over(first_token: int, end_token: int, block: int) -> int:
+def blocks_over(first_token: int, end_token: int, block: int) -> int:
     """Blocks of `block` tokens that hold any of tokens [first_token, end_token)."""
     if end_token <= first_token:
         return 0
@@ -143,13 +143,13 @@ def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, b
     freed = 0
     if group.kind in ("full", "mla", "dsa"):
         page = block_size * (entry_bytes + group.indexer_entry_bytes)
-        allocated = batch * padded_layers * _blocks_over(0, tokens, block_size) * page
+        allocated = batch * padded_layers * blocks_over(0, tokens, block_size) * page
     elif group.kind in WINDOWED:
         live = live_window_tokens(group, tokens)
         freed = tokens - live
         block = group.block_tokens or block_size
         page = _aligned(block * entry_bytes, group.page_align)
-        allocated = batch * padded_layers * _blocks_over(tokens - live, tokens, block) * page
+        allocated = batch * padded_layers * blocks_over(tokens - live, tokens, block) * page
     elif group.kind == "compressed":
         block = group.block_tokens or block_size
         per_block = max(block // group.ratio, 1)  # entries a block holds
@@ -159,7 +159,7 @@ def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, b
         live = live_window_tokens(group, tokens)
         window = n * live * entry_bytes
         window_block = group.window_block_tokens or block_size
-        window_pages = _blocks_over(tokens - live, tokens, window_block)
+        window_pages = blocks_over(tokens - live, tokens, window_block)
         freed = tokens - live
         allocated = n * (blocks * (page + index_page)
                          + window_pages * _aligned(window_block * entry_bytes, group.page_align))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.errors import ConfigError
-from sim.kv_layout import HybridLayout
+from sim.kv_layout import HybridLayout, blocks_over
 from sim.kvcache.base import NO_HIT, KVUsage, decode_rounds_token_by_token, slack_split
 
 POOLS = ("shared", "per_kind")
@@ -111,8 +111,7 @@ class HybridBlockAllocator:
         return out
 
     def _blocks(self, first_live: list[int], end: int) -> list[int]:
-        size = self.block_size
-        return [(end - 1) // size - first // size + 1 if end > first else 0 for first in first_live]
+        return [blocks_over(first, end, self.block_size) for first in first_live]
 
     def _pages(self, blocks: list[int]) -> list[int]:
         """Pages taken from each pool by these blocks per kind."""
