@@ -51,30 +51,26 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
                  kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1) -> KvPool:
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     most_layers = -(-model.num_layers // pp)  # ceil: the most loaded stage
-    layout = hybrid_layout(model.layer_groups)
-    per_token = model.kv_bytes_per_token(kv_dtype) if layout is None else _page_bytes_per_token(model, layout, kv_dtype)
-    bytes_per_token = per_token * model.kv_replication(tp) * (most_layers * pp / model.num_layers)
+    scale = model.kv_replication(tp) * (most_layers * pp / model.num_layers)
     if kv_cache_memory_bytes is not None:
         pool = float(kv_cache_memory_bytes) * tp * pp
     else:
         pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
+    layout = hybrid_layout(model.layer_groups, [model.entry_bytes(g, kv_dtype) for g in model.layer_groups],
+                           block_size, scale)
+    if layout is None:
+        bytes_per_token = model.kv_bytes_per_token(kv_dtype) * scale
+        one_sequence = max_model_len * bytes_per_token
+    else:  # a "block" is one page of the smallest kind; a whole prompt of max_model_len is admitted at once
+        bytes_per_token = min(kind.page_bytes for kind in layout.page_kinds) / block_size
+        one_sequence = sum(kind.blocks(0, max_model_len) * kind.per_block * kind.page_bytes
+                           for kind in layout.page_kinds)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
-    pages_per_block = sum(groups for _, groups in layout.kinds) if layout else 1  # a whole sequence's pages
-    if num_blocks * block_size < max_model_len * pages_per_block:
+    if num_blocks * block_size * bytes_per_token < one_sequence:
         raise ConfigError(_does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len,
                                         gpu_memory_utilization, activation_reserve_bytes,
                                         kv_cache_memory_bytes is not None, kv_dtype))
     return KvPool(int(pool), bytes_per_token, block_size, num_blocks, layout)
-
-
-def _page_bytes_per_token(model: ModelSpec, layout: HybridLayout, kv_dtype: str) -> float:
-    """A token of one hybrid page: group_size layers of one entry each (one page size for all)."""
-    sizes = {model.entry_bytes(group, kv_dtype) for group, _ in layout.kinds}
-    if len(sizes) > 1:
-        raise ConfigError(f"model {model.name} mixes layer kinds of different entry sizes ({sorted(sizes)} B), "
-                          f"which the hybrid allocator does not pad to one page size yet, key model, "
-                          f"give its layers one entry size")
-    return layout.group_size * sizes.pop()
 
 
 def _does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len, utilization,

@@ -3,9 +3,9 @@
 Each variant changes only the model's KV fields (heads, latent width, shared layers, layer kinds)
 and keeps the base model's weights and parameter count, so what moves is the KV cache: bytes per
 token, how many sequences fit, and what the serving numbers become. Each runs in BF16 and FP8 KV on
-each workload with the paged allocator (vLLM's hybrid manager for the sliding-window variant).
-Variants whose layers the simulator does not model yet (DeepSeek-V4's compressed layers) get their
-memory figures from sim.kv_layout and no serving figures, and the run says so.
+each workload with the paged allocator (vLLM's hybrid manager for the sliding-window and the
+compressed variants). A variant whose layers the simulator does not model (state layers) would get
+its memory figures from sim.kv_layout and no serving figures, and the run says so.
 """
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def padded_layer_counts(groups, page_bytes) -> list[int]:
 
 # -- what one step's attention reads, per layer group ------------------------------------------
 PLAIN_ATTENTION = ("full", "mla", "shared")  # every query reads the whole context
-TIMED = ("full", "mla", "shared", "sliding", "chunked", "dsa")  # kinds the step time models
+TIMED = ("full", "mla", "shared", "sliding", "chunked", "dsa", "compressed")  # kinds the simulator runs
 
 
 def _window_sum(n: int, w: int) -> int:
@@ -201,6 +201,17 @@ def _chunk_sum(n: int, size: int) -> int:
     return whole * size * (size + 1) // 2 + rest * (rest + 1) // 2
 
 
+def _pooled_sum(n: int, ratio: int, cap: int = 0) -> int:
+    """sum over i = 1..n of min(i // ratio, cap) (no cap when cap is 0): pooled entries read by
+    queries at positions 0..n-1 of a compressed layer (an entry exists once its ratio tokens do)."""
+    def floor_sum(k: int) -> int:  # sum over i = 1..k of i // ratio
+        whole, rest = divmod(k, ratio)
+        return ratio * whole * (whole - 1) // 2 + whole * (rest + 1)
+    if not cap or n < ratio * cap:
+        return floor_sum(n)
+    return floor_sum(ratio * cap - 1) + cap * (n - ratio * cap + 1)
+
+
 def decode_reach(group: LayerGroup, context: int) -> int:
     """Keys one layer's decode query reads when the context (its own token included) is `context`."""
     if group.kind == "sliding":
@@ -209,12 +220,16 @@ def decode_reach(group: LayerGroup, context: int) -> int:
         return (context - 1) % group.window + 1
     if group.kind == "dsa" and group.top_k:
         return min(context, group.top_k)
+    if group.kind == "compressed":  # top-k (or all) pooled entries, then the raw window
+        pooled = context // group.ratio
+        return (min(pooled, group.top_k) if group.top_k else pooled) + min(context, group.window)
     return context
 
 
 def prefill_reach(group: LayerGroup, cached: int, new: int) -> tuple[int, int, int]:
     """(pairs against cached keys, causal pairs within the chunk, KV tokens read) of one layer for a
-    chunk of `new` tokens after `cached` ones; a DSA layer's top-k counts as a window of k."""
+    chunk of `new` tokens after `cached` ones; a DSA layer's top-k counts as a window of k; a
+    compressed layer's pooled entries count against the cache, its raw window as a window."""
     if group.kind == "sliding" or (group.kind == "dsa" and group.top_k):
         w = group.window if group.kind == "sliding" else group.top_k
         causal = _window_sum(new, w)
@@ -227,27 +242,102 @@ def prefill_reach(group: LayerGroup, cached: int, new: int) -> tuple[int, int, i
         causal = first * (first + 1) // 2 + later
         total = _chunk_sum(cached + new, size) - _chunk_sum(cached, size)
         return total - causal, causal, cached - start + new
+    if group.kind == "compressed":
+        window = prefill_reach(LayerGroup("sliding", 1, window=max(group.window, 1)), cached, new) \
+            if group.window else (0, 0, 0)
+        pooled = (_pooled_sum(cached + new, group.ratio, group.top_k)
+                  - _pooled_sum(cached, group.ratio, group.top_k))
+        entries = (cached + new) // group.ratio
+        read = min(entries, group.top_k) if group.top_k else entries
+        return window[0] + pooled, window[1], window[2] + read
     return new * cached, new * (new + 1) // 2, cached + new
 
 
 def indexer_keys(group: LayerGroup, context: int) -> int:
-    """Keys a DSA or CSA indexer scores for one query at that context (all of them)."""
-    return context if group.indexer_entry_bytes and group.kind == "dsa" else 0
+    """Keys a DSA or CSA indexer scores for one decode query at that context (all of them)."""
+    if not group.indexer_entry_bytes:
+        return 0
+    return context // group.ratio if group.kind == "compressed" else context
+
+
+def indexer_pairs(group: LayerGroup, cached: int, new: int) -> int:
+    """Keys the indexer scores for a prefill chunk's queries, summed."""
+    if not group.indexer_entry_bytes:
+        return 0
+    if group.kind == "compressed":
+        return _pooled_sum(cached + new, group.ratio) - _pooled_sum(cached, group.ratio)
+    return new * cached + new * (new + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class PageKind:
+    """One kind of page a sequence of a hybrid model holds (sim.kvcache.hybrid)."""
+    group: LayerGroup      # the layer group whose KV it holds
+    pooled: bool           # pages of pooled entries (a compressed layer's cache or its indexer keys)
+    window: int            # token pages: the live window (0: the whole history; chunked: the chunk)
+    per_block: int         # pages for each block index (vLLM's KV-cache groups of this kind)
+    tokens_per_page: int   # tokens a page covers (pooled: entries x ratio)
+    entry_bytes: float     # one entry of one real layer
+    page_bytes: float      # one page (of per_block): its layers (padding included), aligned
+    pool: int              # the layer group's index (pools=per_kind: its own pool)
+
+    def first_live(self, computed: int) -> int:
+        """The first token this page kind still holds once `computed` tokens are computed: a
+        window drops the tokens no later query reads, as vLLM frees them before the next step."""
+        if self.pooled or not self.window:
+            return 0
+        if self.group.kind == "chunked":
+            return computed // self.window * self.window
+        return max(0, computed - self.window + 1)
+
+    def blocks(self, first_live: int, end: int) -> int:
+        if self.pooled:
+            entries, per_page = end // self.group.ratio, self.tokens_per_page // self.group.ratio
+            return -(-entries // per_page)
+        return blocks_over(first_live, end, self.tokens_per_page)
 
 
 @dataclass(frozen=True, slots=True)
 class HybridLayout:
-    """vLLM's hybrid KV cache manager for a model with window or chunk layers: KV-cache groups of
-    `group_size` layers share one page size; each kind fills `groups` of them (the last padded)."""
+    """The pages of a model with window, chunk or compressed layers: vLLM's hybrid manager groups
+    layers of one page size into KV-cache groups of `group_size` layers (the last group of a kind
+    padded); compressed layers keep their own pages (main, indexer, raw window)."""
     group_size: int
-    kinds: tuple[tuple[LayerGroup, int], ...]  # (a storing layer kind, its KV-cache groups)
+    page_kinds: tuple[PageKind, ...]
+
+    @property
+    def equal_pages(self) -> bool:
+        return len({k.page_bytes for k in self.page_kinds}) == 1
 
 
-def hybrid_layout(groups: tuple[LayerGroup, ...]) -> HybridLayout | None:
-    """The layout of a model with sliding or chunked layers (None for any other model)."""
-    if not any(g.kind in WINDOWED for g in groups):
+def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], block_size: int,
+                  scale: float = 1.0) -> HybridLayout | None:
+    """The layout of a model with sliding, chunked or compressed layers (None otherwise); entry
+    bytes per group, `scale` the copies a replica keeps (TP replication, the PP stage factor)."""
+    if not any(g.kind in WINDOWED or g.kind == "compressed" for g in groups):
         return None
-    storing = [g for g in groups if g.kind not in ("shared", "state")]
-    padded = padded_layer_counts(storing, [0] * len(storing))  # equal page sizes checked by the caller
-    size = min(g.count for g in storing) if len(storing) > 1 else storing[0].count
-    return HybridLayout(size, tuple((g, p // size) for g, p in zip(storing, padded)))
+    grouped = [(i, g) for i, g in enumerate(groups) if g.kind in GROUPED]
+    if len({entry_bytes[i] + g.indexer_entry_bytes for i, g in grouped}) > 1:
+        raise ConfigError("a model mixing grouped layer kinds of different entry sizes is not padded to one "
+                          "page size yet, key model, give its layers one entry size")
+    padded = padded_layer_counts([g for _, g in grouped], [0] * len(grouped))
+    size = min(g.count for _, g in grouped) if len(grouped) > 1 else (grouped[0][1].count if grouped else 1)
+    kinds = []
+    for (i, g), layers in zip(grouped, padded):
+        tokens, entry = g.block_tokens or block_size, entry_bytes[i] + g.indexer_entry_bytes
+        page = size * _aligned(tokens * entry, g.page_align) * scale
+        kinds.append(PageKind(g, False, g.window if g.kind in WINDOWED else 0, layers // size, tokens,
+                              entry * scale, page, i))
+    for i, g in enumerate(groups):
+        if g.kind != "compressed":
+            continue
+        per_page = max((g.block_tokens or block_size) // g.ratio, 1)
+        for nbytes in (entry_bytes[i], g.indexer_entry_bytes):
+            if nbytes:
+                page = g.count * _aligned(per_page * nbytes, g.page_align) * scale
+                kinds.append(PageKind(g, True, 0, 1, per_page * g.ratio, nbytes * scale, page, i))
+        if g.window:
+            tokens = g.window_block_tokens or block_size
+            page = g.count * _aligned(tokens * entry_bytes[i], g.page_align) * scale
+            kinds.append(PageKind(g, False, g.window, 1, tokens, entry_bytes[i] * scale, page, i))
+    return HybridLayout(size, tuple(kinds))

@@ -93,12 +93,9 @@ class ModelSpec:
 
     @property
     def unsimulated_kinds(self) -> list[str]:
-        """Layer kinds the simulator's allocators and step times do not model yet (compressed
-        and state layers, and layers of given entry bytes beside windows); `sim kv` prices them."""
-        kinds = {g.kind for g in self.layer_groups} - set(TIMED)
-        if any(g.entry_bytes for g in self.layer_groups if g.kind in ("sliding", "chunked")):
-            kinds.add("given-bytes window")
-        return sorted(kinds)
+        """Layer kinds the simulator's allocators and step times do not model yet (state
+        layers); `sim kv` prices them."""
+        return sorted({g.kind for g in self.layer_groups} - set(TIMED))
 
     @property
     def attention_groups(self) -> tuple[LayerGroup, ...]:

@@ -69,8 +69,11 @@ def test_a_window_longer_than_any_sequence_gives_the_full_attention_results(laye
 
 
 def make_allocator(num_blocks=64, block_size=4, per_kind=None):
+    """5 sliding + 2 full layers of 1 B entries: pages of 2 layers x 4 tokens = 8 B (shared), or
+    per_kind budgets in bytes."""
     groups = (LayerGroup("sliding", 5, window=6), LayerGroup("full", 2))
-    return HybridBlockAllocator(num_blocks, block_size, hybrid_layout(groups), per_kind)
+    layout = hybrid_layout(groups, [1, 1], block_size)
+    return HybridBlockAllocator(per_kind or [num_blocks * 8], block_size, layout, per_kind is not None)
 
 
 def seq(seq_id, final_len=1000):
@@ -78,32 +81,33 @@ def seq(seq_id, final_len=1000):
 
 
 def test_the_layout_groups_layers_by_the_smallest_kind_and_pads_the_last_group():
-    layout = hybrid_layout((LayerGroup("sliding", 5, window=6), LayerGroup("full", 2)))
-    assert layout.group_size == 2 and [groups for _, groups in layout.kinds] == [3, 1]  # 5 -> 6, 1 padding
-    gemma = hybrid_layout(load_model("gemma3_27b").layer_groups)
-    assert gemma.group_size == 10 and [g for _, g in gemma.kinds] == [6, 1]  # REFERENCE.md 8
+    layout = hybrid_layout((LayerGroup("sliding", 5, window=6), LayerGroup("full", 2)), [1, 1], 4)
+    assert layout.group_size == 2 and [k.per_block for k in layout.page_kinds] == [3, 1]  # 5 -> 6, 1 padding
+    gemma = load_model("gemma3_27b")
+    gemma_layout = hybrid_layout(gemma.layer_groups, [gemma.entry_bytes(g) for g in gemma.layer_groups], 16)
+    assert gemma_layout.group_size == 10 and [k.per_block for k in gemma_layout.page_kinds] == [6, 1]  # REFERENCE.md 8
 
 
 def test_window_blocks_leave_on_time_and_nothing_leaks():
     allocator, s = make_allocator(), seq(1)
     assert allocator.allocate(s, 10) == ()  # 3 blocks per group: 3 sliding groups + 1 full group
-    assert allocator.num_free == 64 - 4 * 3
+    assert allocator.num_free == (64 - 4 * 3) * 8
     for computed in range(10, 40):
         allocator.allocate(s, 1)
         first = max(0, computed - 6 + 1)  # vLLM frees blocks no query from `computed` on reads
         sliding_blocks = computed // 4 - first // 4 + 1
         full_blocks = computed // 4 + 1
-        assert allocator.num_free == 64 - 3 * sliding_blocks - full_blocks
+        assert allocator.num_free == (64 - 3 * sliding_blocks - full_blocks) * 8
         assert sliding_blocks <= -(-6 // 4) + 1
     usage = allocator.usage()
     assert sum(usage.as_tuple()) == usage.capacity
     allocator.free(s)
-    assert allocator.num_free == 64 and not allocator.seqs
+    assert allocator.num_free == 64 * 8 and not allocator.seqs
 
 
 @settings(max_examples=80, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9)), min_size=1, max_size=60),
-       per_kind=st.sampled_from([None, [25, 15]]))
+       per_kind=st.sampled_from([None, [25 * 20, 15 * 8]]))  # bytes: 25 pages of 5 layers, 15 of 2
 def test_pages_are_conserved_and_usage_adds_up(ops, per_kind):
     allocator, lengths = make_allocator(num_blocks=40, per_kind=per_kind), {}
     for seq_id, tokens in ops:
@@ -116,18 +120,17 @@ def test_pages_are_conserved_and_usage_adds_up(ops, per_kind):
             lengths[seq_id] = lengths.get(seq_id, 0) + tokens
         usage = allocator.usage()
         assert sum(usage.as_tuple()) == usage.capacity and min(usage.as_tuple()) >= 0
-        widths = [2] if per_kind is None else [5, 2]
-        assert usage.free == sum(f * 4 * w for f, w in zip(allocator.pool_free, widths))
+        assert usage.free == round(allocator.num_free)
     for seq_id in list(lengths):
         allocator.free(seq(seq_id))
-    assert allocator.num_free == 40
+    assert allocator.num_free == (40 * 8 if per_kind is None else sum(per_kind))
 
 
 def test_per_kind_pools_split_memory_as_tensorrt_llm_does():
     # NVIDIA/TensorRT-LLM, KVCacheManagerTest.BlockManagerTestWindowSizeToShare: windows 1024 (1
     # layer), 4096 (3 layers), 8192 (2 layers) get 3.45%, 41.38% and 55.17% of the memory.
     layout = hybrid_layout((LayerGroup("sliding", 1, window=1024), LayerGroup("sliding", 3, window=4096),
-                            LayerGroup("sliding", 2, window=8192)))
+                            LayerGroup("sliding", 2, window=8192)), [1, 1, 1], 16)
     assert per_kind_shares(layout, 8192) == pytest.approx([0.0345, 0.4138, 0.5517], abs=1e-4)
 
 
@@ -145,7 +148,7 @@ def test_per_kind_pools_run_without_layer_padding():
     assert shared["kv"]["internal_frag_frac"] > per_kind["kv"]["internal_frag_frac"]  # 8 padding layers
     small = compose_config("run", [*SMALL, "+allocator_options.paged.pools=per_kind", "model=gemma3_27b",
                                    "gpu=h200", "max_model_len=32768", "kv_cache_memory_bytes=20000000000"])
-    with pytest.raises(ConfigError, match="pools=per_kind leaves pools of fewer than"):
+    with pytest.raises(ConfigError, match="pools=per_kind leaves the sliding pool smaller than one"):
         prepare(small)  # a static split can starve a kind of the blocks one whole prompt needs
     with pytest.raises(ConfigError, match="pools=per_kind applies to models with sliding"):
         prepare(compose_config("run", [*SMALL, "+allocator_options.paged.pools=per_kind"]))
@@ -193,9 +196,13 @@ def test_dsa_reads_its_top_k_and_pays_its_indexer():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=gemma3_27b", "allocators=[contiguous]"], "contiguous allocator does not take"),
-    (["model=gemma3_27b", "allocators=[prefix]"], "prefix caching for a model with sliding"),
-    (["model=deepseek_v4_flash", "allocators=[paged]"], "compressed"),
+    (["model=gemma3_27b", "allocators=[contiguous]"], "contiguous allocator does not take a model with window"),
+    (["model=gemma3_27b", "allocators=[prefix]"], "prefix caching for a model with window"),
+    (["model=deepseek_v4_flash", "allocators=[radix]"], "radix allocator does not take"),
+    (["model=deepseek_v4_flash", "allocators=[paged]", "+allocator_options.paged.pools=per_kind"],
+     "per_kind for compressed layers"),
+    (["model=gemma3_27b", "allocators=[paged]", "+model.layers=[{kind: state, count: 62, state_bytes: 1000}]"],
+     "has state layers"),
 ])
 def test_what_the_simulator_cannot_run_yet_is_one_line(overrides, message):
     cfg = compose_config("run", [*overrides, "gpu=h200", "tensor_parallel_size=8", "max_model_len=8192"])

@@ -22,7 +22,7 @@ def refuse_hybrid_layout(pool, allocator: str) -> None:
     """Only the paged allocator (sim.kvcache.hybrid) takes a model with window or chunk layers."""
     if getattr(pool, "layout", None) is not None:
         from sim.errors import ConfigError
-        raise ConfigError(f"the {allocator} allocator does not take a model with sliding or chunked layers "
+        raise ConfigError(f"the {allocator} allocator does not take a model with window, chunk or compressed layers "
                           f"yet, key allocators, use allocators=[paged]")
 
 

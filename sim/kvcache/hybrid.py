@@ -1,14 +1,15 @@
-"""Paged KV allocation for models with sliding-window or chunked-local layers: vLLM's hybrid KV
-cache manager (REFERENCE.md section 8; docs/design/hybrid_kv_cache_manager.md), without prefix
-caching.
+"""Paged KV allocation for models with sliding-window, chunked-local or compressed layers: vLLM's
+hybrid KV cache manager (REFERENCE.md section 8; docs/design/hybrid_kv_cache_manager.md), without
+prefix caching.
 
-One pool of pages; a page holds block_size tokens of one KV-cache group of `group_size` layers.
-Each layer kind fills its KV-cache groups (sim.kv_layout.HybridLayout; the last group of a kind
-padded with empty layers, which take their page share all the same). A sequence holds, per group,
-the blocks of its live tokens: all of them for full layers; for a sliding window w the blocks from
-token c - w + 1 on, and for chunked-local attention (chunk C) from the current chunk's start, c the
-tokens computed before the step, as vLLM frees the blocks its next queries no longer read before
-allocating a step's new tokens.
+A sequence holds pages of each kind of sim.kv_layout.HybridLayout: for layers of one page size,
+KV-cache groups of `group_size` layers (the last group of a kind padded with empty layers, which
+take their page share all the same), block_size tokens a page; a compressed layer (DeepSeek-V4)
+its pooled entries, its indexer keys and its raw window in pages of their own sizes. Full-history
+pages hold every token; a window's pages hold tokens from c - w + 1 on, a chunk's from the current
+chunk's start, c the tokens computed before the step, as vLLM frees the pages its next queries no
+longer read before allocating a step's new tokens. Pages are paid from one byte budget (pages of
+different sizes do not fragment it: a simplification where they differ).
 
 `pools=per_kind` is TensorRT-LLM's alternative: one pool per layer kind (its layers in one page,
 no padding), the memory split statically in proportion to window x layers (a full layer's window
@@ -16,27 +17,26 @@ being max_model_len; BlockManager::calculateWindowSizeToShare, NVIDIA/TensorRT-L
 kvCacheManager.cpp, whose test splits {1024: 1 layer, 4096: 3, 8192: 2} into 3.45%, 41.38%,
 55.17%); a request needs room in every pool.
 
-Memory is reported in layer slots (one token of one layer of a page): capacity = blocks x
-block_size x layers per page, summed over pools. token_states: live tokens of real layers;
-reserved: allocated slots of real layers for tokens still to come below L; internal_frag: padding
-layers, slots beyond L and the dead tokens ahead of a window in its first block.
+Memory is reported in bytes: token_states the live entries of real layers; reserved the entries
+allocated for tokens still to come below L; internal_frag the rest of the pages held (padding
+layers, page alignment, entries beyond L, dead tokens ahead of a window in its first page).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from sim.errors import ConfigError
-from sim.kv_layout import HybridLayout, blocks_over
+from sim.kv_layout import HybridLayout
 from sim.kvcache.base import NO_HIT, KVUsage, decode_rounds_token_by_token, slack_split
 
 POOLS = ("shared", "per_kind")
 
 
 def per_kind_shares(layout: HybridLayout, max_model_len: int) -> list[float]:
-    """TensorRT-LLM's static split: each kind's share of the memory is proportional to its
-    window (max_model_len for full layers) times its layers."""
-    weights = [min(group.window, max_model_len) * group.count if group.window else max_model_len * group.count
-               for group, _ in layout.kinds]
+    """TensorRT-LLM's static split over layer groups: each group's share of the memory is
+    proportional to its window (max_model_len for full layers) times its layers."""
+    groups = {kind.pool: kind.group for kind in layout.page_kinds}
+    weights = [min(g.window or max_model_len, max_model_len) * g.count for g in groups.values()]
     return [w / sum(weights) for w in weights]
 
 
@@ -44,128 +44,126 @@ def per_kind_shares(layout: HybridLayout, max_model_len: int) -> list[float]:
 class HybridSeq:
     num_tokens: int        # token slots allocated (computed or about to be)
     final_len: int
-    first_live: list[int]  # per kind: the first token its blocks still hold
-    blocks: list[int]      # per kind: blocks held in each of its KV-cache groups
+    first_live: list[int]  # per page kind: the first token its pages still hold
+    blocks: list[int]      # per page kind: blocks held (each of `per_block` pages)
 
 
 class HybridBlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, layout: HybridLayout,
-                 per_kind_blocks: list[int] | None = None):
-        """One shared pool of num_blocks pages, or (per_kind_blocks) one pool per kind."""
-        self.block_size, self.layout = block_size, layout
-        if per_kind_blocks is None:  # pool index, pages a block takes, layers per page, per kind
-            self.kinds = [(group, 0, groups, groups * layout.group_size) for group, groups in layout.kinds]
-            self.pool_blocks, self.pool_width = [num_blocks], [layout.group_size]
-        else:
-            self.kinds = [(group, i, 1, group.count) for i, (group, _) in enumerate(layout.kinds)]
-            self.pool_blocks, self.pool_width = list(per_kind_blocks), [g.count for g, _ in layout.kinds]
-        self.num_blocks = sum(self.pool_blocks)
-        self.pool_free = list(self.pool_blocks)
+    def __init__(self, budgets: list[int], block_size: int, layout: HybridLayout, per_kind: bool = False):
+        """budgets: bytes of each pool (one, or one per layer group with per_kind)."""
+        self.block_size, self.layout, self.per_kind = block_size, layout, per_kind
+        self.pool_bytes = list(budgets)
+        self.pool_free = list(budgets)
+        self.kind_pool = [kind.pool if per_kind else 0 for kind in layout.page_kinds]
+        # Bytes a block index costs per page kind: its KV-cache groups' pages, or (a pool per
+        # kind) one page of just its own layers, no padding.
+        self.block_cost = [kind.group.count * kind.tokens_per_page * kind.entry_bytes if per_kind
+                           else kind.per_block * kind.page_bytes for kind in layout.page_kinds]
         self.seqs: dict[int, HybridSeq] = {}
 
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False, eviction: str = "lru",
                   pools: str = "shared"):
         if enable_caching:
-            raise ConfigError("prefix caching for a model with sliding or chunked layers is not built yet, "
-                              "key allocators, use allocators=[paged]")
+            raise ConfigError("prefix caching for a model with window, chunk or compressed layers is not built "
+                              "yet, key allocators, use allocators=[paged]")
         if pools not in POOLS:
             raise ConfigError(f"unknown pools '{pools}', allocator key pools, use shared (vLLM) or per_kind (TensorRT-LLM)")
+        layout = pool.layout
         if pools == "shared":
-            return cls(pool.num_blocks, pool.block_size, pool.layout)
-        layer_bytes = pool.bytes_per_token / pool.layout.group_size  # a token of one layer
-        blocks = [int(share * pool.pool_bytes // (pool.block_size * group.count * layer_bytes))
-                  for share, (group, _) in zip(per_kind_shares(pool.layout, max_model_len), pool.layout.kinds)]
-        whole = -(-max_model_len // pool.block_size)  # a max_model_len prompt is admitted whole
-        short = [f"{g.kind} {b}" for b, (g, _) in zip(blocks, pool.layout.kinds) if b < whole]
+            return cls([pool.num_blocks * pool.bytes_per_token * pool.block_size], pool.block_size, layout)
+        if any(kind.pooled for kind in layout.page_kinds):
+            raise ConfigError("pools=per_kind for compressed layers is not modelled, allocator key pools, "
+                              "use pools=shared")
+        budgets = [share * pool.pool_bytes for share in per_kind_shares(layout, max_model_len)]
+        allocator = cls(budgets, pool.block_size, layout, per_kind=True)
+        short = [kind.group.kind for kind, nbytes in zip(layout.page_kinds, allocator.whole_sequence_bytes(max_model_len))
+                 if nbytes > budgets[kind.pool]]
         if short:
-            raise ConfigError(f"pools=per_kind leaves pools of fewer than the {whole} blocks one max_model_len "
-                              f"sequence needs ({', '.join(short)}), allocator key pools, use pools=shared or "
-                              f"lower max_model_len")
-        return cls(0, pool.block_size, pool.layout, blocks)
+            raise ConfigError(f"pools=per_kind leaves the {', '.join(short)} pool smaller than one max_model_len "
+                              f"sequence, allocator key pools, use pools=shared or lower max_model_len")
+        return allocator
+
+    def whole_sequence_bytes(self, tokens: int) -> list[float]:
+        """Per page kind, the bytes one sequence of `tokens` tokens admitted whole takes."""
+        return [kind.blocks(0, tokens) * cost for kind, cost in zip(self.layout.page_kinds, self.block_cost)]
 
     @property
-    def num_free(self) -> int:
+    def num_free(self) -> float:
         return sum(self.pool_free)
 
     @property
     def capacity(self) -> int:
-        return sum(b * self.block_size * w for b, w in zip(self.pool_blocks, self.pool_width))
+        return int(sum(self.pool_bytes))
 
     def state_bytes(self) -> int:
-        return 1024 + self.num_blocks  # counts, not block tables
+        return 4096  # counts, not block tables
 
     def lookup_prefix(self, seq):
         return NO_HIT
 
-    def _first_live(self, computed: int) -> list[int]:
-        """Per kind, the first token a query after `computed` tokens still reads."""
-        out = []
-        for group, _ in self.layout.kinds:
-            if group.kind == "sliding":
-                out.append(max(0, computed - group.window + 1))
-            elif group.kind == "chunked":
-                out.append(computed // group.window * group.window)
-            else:
-                out.append(0)
-        return out
-
-    def _blocks(self, first_live: list[int], end: int) -> list[int]:
-        return [blocks_over(first, end, self.block_size) for first in first_live]
-
-    def _pages(self, blocks: list[int]) -> list[int]:
-        """Pages taken from each pool by these blocks per kind."""
-        pages = [0] * len(self.pool_blocks)
-        for count, (_, pool, groups, _) in zip(blocks, self.kinds):
-            pages[pool] += count * groups
-        return pages
+    def _bytes(self, first_live: list[int], end: int) -> tuple[list[int], list[float]]:
+        """(blocks per page kind, bytes per pool) of a sequence holding tokens up to `end`."""
+        blocks, paid = [], [0.0] * len(self.pool_bytes)
+        for kind, first, pool, cost in zip(self.layout.page_kinds, first_live, self.kind_pool, self.block_cost):
+            count = kind.blocks(first, end)
+            blocks.append(count)
+            paid[pool] += count * cost
+        return blocks, paid
 
     def allocate(self, seq, num_new_tokens: int, hit=NO_HIT, full_tokens: int = 0, watermark: float = 0.0):
         """Pages for num_new_tokens more tokens (freeing those that left a window first), or None."""
         record = self.seqs.get(seq.seq_id)
         computed = record.num_tokens if record else 0
         end = computed + num_new_tokens
-        first_live = self._first_live(computed)
-        blocks = self._blocks(first_live, end)
-        held = self._pages(record.blocks) if record else [0] * len(self.pool_blocks)
-        needed = [new - old for new, old in zip(self._pages(blocks), held)]
+        first_live = [kind.first_live(computed) for kind in self.layout.page_kinds]
+        blocks, paid = self._bytes(first_live, end)
+        held = self._bytes(record.first_live, record.num_tokens)[1] if record else [0.0] * len(paid)
+        needed = [new - old for new, old in zip(paid, held)]
         required = needed
         if record is None and (full_tokens or watermark):
-            whole = self._pages(self._blocks([0] * len(blocks), full_tokens))
-            required = [max(n, w) + int(watermark * total) for n, w, total in zip(needed, whole, self.pool_blocks)]
-        if any(r > free for r, free in zip(required, self.pool_free)):
+            whole = self._bytes([0] * len(blocks), full_tokens)[1]
+            required = [max(n, w) + watermark * total for n, w, total in zip(needed, whole, self.pool_bytes)]
+        if any(r > free + 1e-6 for r, free in zip(required, self.pool_free)):
             return None
         self.pool_free = [free - n for free, n in zip(self.pool_free, needed)]
-        if record is None:
-            self.seqs[seq.seq_id] = HybridSeq(end, seq.final_len, first_live, blocks)
+        if record is None:            self.seqs[seq.seq_id] = HybridSeq(end, seq.final_len, first_live, blocks)
         else:
             record.num_tokens, record.first_live, record.blocks = end, first_live, blocks
         return ()
 
     def free(self, seq) -> None:
         record = self.seqs.pop(seq.seq_id)
-        self.pool_free = [free + n for free, n in zip(self.pool_free, self._pages(record.blocks))]
+        held = self._bytes(record.first_live, record.num_tokens)[1]
+        self.pool_free = [free + n for free, n in zip(self.pool_free, held)]
 
     def fork(self, parent, child) -> bool:
-        """No block sharing here: a forked sample recomputes its prompt (the scheduler's path for a
+        """No page sharing here: a forked sample recomputes its prompt (the scheduler's path for a
         fork without memory)."""
         return False
 
     def usage(self, first_waiting=None) -> KVUsage:
-        size = self.block_size
-        token_states = reserved = internal = 0
+        token_states = reserved = 0.0
         for record in self.seqs.values():
-            for (group, _, _, layers), first, blocks in zip(self.kinds, record.first_live, record.blocks):
+            end, final = record.num_tokens, record.final_len
+            for kind, first, blocks in zip(self.layout.page_kinds, record.first_live, record.blocks):
                 if not blocks:
                     continue
-                start = first // size * size
-                span = blocks * size
-                ahead, beyond = slack_split(start + span, record.num_tokens, record.final_len)
-                token_states += group.count * (record.num_tokens - first)
-                reserved += group.count * ahead
-                internal += group.count * (beyond + first - start) + (layers - group.count) * span
-        free = sum(f * size * w for f, w in zip(self.pool_free, self.pool_width))
-        return KVUsage(self.capacity, token_states, reserved, internal, 0, 0, free)
+                layers = kind.group.count * kind.entry_bytes
+                if kind.pooled:
+                    ratio = kind.group.ratio
+                    slots = blocks * kind.tokens_per_page // ratio
+                    token_states += end // ratio * layers
+                    reserved += max(0, min(slots, final // ratio) - end // ratio) * layers
+                else:
+                    start = first // kind.tokens_per_page * kind.tokens_per_page
+                    ahead, _ = slack_split(start + blocks * kind.tokens_per_page, end, final)
+                    token_states += (end - first) * layers
+                    reserved += ahead * layers
+        capacity = self.capacity
+        used = capacity - round(self.num_free)
+        token_states, reserved = round(token_states), round(reserved)
+        return KVUsage(capacity, token_states, reserved, used - token_states - reserved, 0, 0, capacity - used)
 
     # -- decode stretches: none (the scheduler plans such a model step by step) -----------------
     def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sim.kv_layout import decode_reach, indexer_keys, prefill_reach
+from sim.kv_layout import decode_reach, indexer_keys, indexer_pairs, prefill_reach
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
 from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
@@ -412,7 +412,6 @@ def _group_attention(scheduled, groups) -> tuple[tuple[int, ...], ...]:
             else:
                 pairs, within, read = prefill_reach(group, context, num_new)
                 context_pairs, causal, kv = context_pairs + pairs, causal + within, kv + read
-                if indexer_keys(group, 1):
-                    index_pairs += num_new * context + num_new * (num_new + 1) // 2
+                index_pairs += indexer_pairs(group, context, num_new)
         out.append((decode, context_pairs, causal, kv, index_decode, index_pairs))
     return tuple(out)
