@@ -61,6 +61,9 @@ class BlockAllocator:
                   eviction: str = "lru", pools: str = "shared") -> "BlockAllocator":
         """pools: for a model with sliding or chunked layers, one shared pool (vLLM's hybrid
         manager) or one per layer kind (TensorRT-LLM's); other models have one kind of block."""
+        if getattr(pool, "layout", None) is not None and enable_caching:
+            from sim.kvcache.hybrid_prefix import HybridPrefixAllocator
+            return HybridPrefixAllocator.from_pool(pool, max_model_len, eviction, pools)
         if getattr(pool, "layout", None) is not None:
             from sim.kvcache.hybrid import HybridBlockAllocator
             return HybridBlockAllocator.from_pool(pool, max_model_len, enable_caching, eviction, pools)
