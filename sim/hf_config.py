@@ -221,8 +221,8 @@ def _layers(r: _Reader, family: str, n: int, notes: list[str]) -> tuple[LayerGro
     chunk = r.get("attention_chunk_size")
     out = []
     for kind, count in groups.items():
-        size = chunk if kind == "chunked" else window if kind == "sliding" else 0
-        out.append(LayerGroup(kind, count, window=size or 0))
+        size = chunk if kind == "chunked" else window if kind in ("sliding", "shared-sliding") else 0
+        out.append(LayerGroup(kind.removesuffix("-sliding"), count, window=size or 0))
     return tuple(out)
 
 
@@ -265,9 +265,9 @@ def _layer_kinds(r: _Reader, family: str, n: int, notes: list[str]) -> list[str]
     if unknown:
         raise ConfigError(f"layer_types {', '.join(unknown)} are not modelled, fix the config.json or "
                           f"write the model's layers by hand in a model YAML")
-    if shared_tail:
+    if shared_tail:  # Gemma 3n: the last layers read the last earlier layer of their own type
         kinds = list(kinds or ["full"] * n)
-        kinds[n - shared_tail:] = ["shared"] * shared_tail
+        kinds[n - shared_tail:] = ["shared-sliding" if k == "sliding" else "shared" for k in kinds[n - shared_tail:]]
     return kinds
 
 

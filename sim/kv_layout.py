@@ -10,7 +10,7 @@ A model is a list of layer groups, `count` layers of one kind each (REFERENCE.md
     compressed  floor(t / ratio) pooled entries (+ indexer keys), and     top_k entries (all when
                 the last min(t, window) raw tokens (DeepSeek-V4 CSA/HCA)  top_k = 0) + the window
     dsa         t latents + t indexer keys (DeepSeek-V3.2)                min(t, top_k)
-    shared      nothing: reads another layer's KV (CLA, Gemma 3n)         its source's
+    shared      nothing: reads another layer's KV (CLA, Gemma 3n)         its source's (window given: a window)
     state       a fixed state per sequence (Mamba-style)                  the state
 
 Bytes per entry come from the model's widths and KV dtype, or are given (`entry_bytes`) where an
@@ -41,7 +41,8 @@ GROUPED = ("full", "mla", "sliding", "chunked", "dsa")  # kinds of vLLM's one-pa
 class LayerGroup:
     kind: str
     count: int
-    window: int = 0               # sliding: window; chunked: chunk; compressed: raw window
+    window: int = 0               # sliding: window; chunked: chunk; compressed: raw window;
+                                  # shared: its source's window (0: a full-attention source)
     ratio: int = 1                # compressed: tokens pooled into one stored entry
     top_k: int = 0                # compressed (CSA) and dsa: entries one query reads; 0: all
     entry_bytes: float = 0        # per stored entry per layer; 0: from the model's widths and dtype
@@ -213,8 +214,9 @@ def _pooled_sum(n: int, ratio: int, cap: int = 0) -> int:
 
 
 def decode_reach(group: LayerGroup, context: int) -> int:
-    """Keys one layer's decode query reads when the context (its own token included) is `context`."""
-    if group.kind == "sliding":
+    """Keys one layer's decode query reads when the context (its own token included) is `context`
+    (a shared layer with a window reads a sliding source's window)."""
+    if group.kind == "sliding" or (group.kind == "shared" and group.window):
         return min(context, group.window)
     if group.kind == "chunked":
         return (context - 1) % group.window + 1
@@ -230,8 +232,8 @@ def prefill_reach(group: LayerGroup, cached: int, new: int) -> tuple[int, int, i
     """(pairs against cached keys, causal pairs within the chunk, KV tokens read) of one layer for a
     chunk of `new` tokens after `cached` ones; a DSA layer's top-k counts as a window of k; a
     compressed layer's pooled entries count against the cache, its raw window as a window."""
-    if group.kind == "sliding" or (group.kind == "dsa" and group.top_k):
-        w = group.window if group.kind == "sliding" else group.top_k
+    if group.kind in ("sliding", "shared") and group.window or (group.kind == "dsa" and group.top_k):
+        w = group.top_k if group.kind == "dsa" else group.window
         causal = _window_sum(new, w)
         total = _window_sum(cached + new, w) - _window_sum(cached, w)
         return total - causal, causal, min(cached, w - 1) + new

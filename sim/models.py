@@ -248,7 +248,7 @@ def model_from_config(node) -> ModelSpec:
     values = node if isinstance(node, dict) else OmegaConf.to_container(node, resolve=True)
     if "hf_config" in values:
         from sim.hf_config import model_from_hf
-        return model_from_hf(values["hf_config"])
+        return model_from_hf(values["hf_config"], values.get("name"))
     return model_from_dict(values)
 
 

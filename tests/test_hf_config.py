@@ -113,3 +113,12 @@ def test_bad_configs_are_one_line_errors(tmp_path, content, message):
     out = subprocess.run([sys.executable, "-m", "sim", "kv", f"model=hf:{path}"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and message.split("'")[0] in out.stderr
+
+
+def test_a_run_takes_a_config_json_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sim", "run", "+experiment=golden", "scenario.num_sessions=6",
+                          f"model=hf:{HF / 'gemma3n_e4b_partial.json'}", "allocators=[paged,prefix]",
+                          "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "model=hf:" in out.stdout and "laurel_rank not interpreted" in out.stderr
+    assert (tmp_path / "run" / "comparison.csv").is_file()

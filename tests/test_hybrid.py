@@ -271,3 +271,19 @@ def test_the_hybrid_prefix_cache_conserves_blocks_and_usage_adds_up(ops):
     for s in live.values():
         allocator.free(s)
     assert allocator.pool.num_free == 60 and sum(allocator.used_per_group) == 0
+
+
+def test_shared_layers_read_their_sources_reach():
+    # Gemma 3n: the last num_kv_shared_layers layers read the last earlier layer of their own type
+    # (tests/data/hf/SOURCES.md), so a shared layer behind a sliding one reads a window.
+    from sim.hf_config import model_from_hf
+    from tests.test_hf_config import HF
+    model = model_from_hf(str(HF / "gemma3n_e4b_partial.json"), quiet=True)
+    shared = [g for g in model.layer_groups if g.kind == "shared"]
+    assert sorted((g.count, g.window) for g in shared) == [(3, 0), (12, 512)]
+    for group in shared:
+        assert decode_reach(group, 4000) == (512 if group.window else 4000)
+        assert prefill_reach(group, 3000, 100) == prefill_reach(
+            LayerGroup("sliding", 1, window=512) if group.window else LayerGroup("full", 1), 3000, 100)
+    usage = {u.kind: u for u in model.kv_usage(4000)}
+    assert usage["shared"].allocated_bytes == 0
