@@ -60,7 +60,7 @@ DEFAULTS = {
     "llama4": {"head_dim": 128, "num_key_value_heads": 8, "attention_chunk_size": 8192, "num_local_experts": 16,
                "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384},
 }
-DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16", None: "bf16"}
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", None: "bf16"}  # others (float32) are named, counted BF16
 V4_ENTRY_BYTES, INDEXER_ENTRY_BYTES, V32_LATENT_BYTES = 584, 132, 656  # vLLM, REFERENCE.md section 8
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2", "gemma3",
             "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "llama4", "llama4_text", "deepseek_v2",
@@ -156,6 +156,8 @@ def _dtypes(r: _Reader, notes: list[str]) -> dict:
     out = {"weight_dtype": DTYPES.get(dtype, "bf16"), "kv_dtype": DTYPES.get(dtype, "bf16")}
     if dtype not in DTYPES:
         notes.append(f"torch_dtype {dtype} is not modelled: weights and KV counted in bf16")
+    elif dtype is None:
+        notes.append("no torch_dtype: weights and KV counted in bf16")
     quant = r.get("quantization_config")
     if isinstance(quant, dict):
         method = quant.get("quant_method")
@@ -196,7 +198,7 @@ def _moe(r: _Reader, family: str, num_layers: int, notes: list[str]) -> dict:
         step = r.get("interleave_moe_layer_step", 1) or 1
         if step != 1:
             notes.append(f"interleave_moe_layer_step={step} is not modelled: every layer counted as MoE")
-        r.get("intermediate_size_mlp")
+        r.get("intermediate_size_mlp")  # the dense MLP of non-MoE layers: Scout has none (step 1)
     else:  # mixtral, gpt_oss: experts of intermediate_size, no shared expert
         size, shared, dense = r.get("intermediate_size"), 0, 0
     return {"num_experts": experts, "num_active_experts": active, "num_shared_experts": shared,

@@ -122,3 +122,10 @@ def test_a_run_takes_a_config_json_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "model=hf:" in out.stdout and "laurel_rank not interpreted" in out.stderr
     assert (tmp_path / "run" / "comparison.csv").is_file()
+
+
+def test_a_dtype_it_does_not_model_is_said():
+    from sim.hf_config import model_fields_from_hf
+    fields, notes = model_fields_from_hf({**LLAMA, "torch_dtype": "float32"}, "x")
+    assert fields["weight_dtype"] == "bf16" and any("float32 is not modelled" in n for n in notes)
+    assert any("no torch_dtype" in n for n in model_fields_from_hf(LLAMA, "x")[1])
