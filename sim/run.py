@@ -208,9 +208,11 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                                    setup.model.attention_groups)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
+    allocators = []
     for index in range(spec.num_replicas):
         allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
                                  pool=setup.pool, max_model_len=spec.max_model_len)
+        allocators.append(allocator)
         scheduler = Scheduler(scheduler_spec, allocator)
         recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
         cluster.add_replica(Replica(env, index, scheduler, setup.latency, recorder,
@@ -236,6 +238,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                         workload_facts={"num_skipped_records": workload.num_skipped_records,
                                         "num_failed_requests": workload.num_failed_requests,
                                         "trace_format": workload.trace_format})
+    if setup.pool.layout is not None:  # window, chunk or compressed layers (sim.kvcache.hybrid)
+        metrics["hybrid_kv"] = hybrid_kv_facts(setup.pool.layout, allocators)
     if workload.max_concurrency is not None:
         metrics["client"] = {
             "max_concurrency": workload.max_concurrency,
@@ -244,6 +248,21 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                                              if cluster.num_held_requests else 0.0)}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
+
+
+def hybrid_kv_facts(layout, allocators) -> dict:
+    """What a hybrid layout did: its page kinds, the padding layers' share of the layer slots of a
+    block index, and the pages released because their tokens left a window (all replicas)."""
+    kinds = [f"{k.per_block} x {k.group.kind}{':' + str(k.window) if k.window else ''}{' pooled' if k.pooled else ''}"
+             for k in layout.page_kinds]
+    per_kind = getattr(allocators[0], "per_kind", False)  # TensorRT-LLM's pools: no layer padding
+    grouped = [k for k in layout.page_kinds if not k.pooled and k.group.kind != "compressed"]
+    slots = sum(k.per_block * layout.group_size for k in grouped)
+    padding = 0 if per_kind else sum(k.per_block * layout.group_size - k.group.count for k in grouped)
+    return {"pools": "per_kind" if per_kind else "shared", "page_kinds": "; ".join(kinds),
+            "layers_per_kv_cache_group": layout.group_size,
+            "padding_layers_of_group_layers": padding / slots if slots else 0.0,
+            "window_released_pages": sum(a.num_window_released_pages for a in allocators)}
 
 
 def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:

@@ -69,7 +69,10 @@ def test_a_window_longer_than_any_sequence_gives_the_full_attention_results(allo
     counts = [n // 2, n - n // 2] if len(layers) == 2 else [n]
     model["layers"] = [{k: v for k, v in g.items() if k != "half"} | {"count": c} for g, c in zip(layers, counts)]
     cfg.model = model
-    assert metrics_of(cfg) == metrics_of(base)
+    hybrid = metrics_of(cfg)
+    facts = hybrid.pop("hybrid_kv")  # only hybrid layouts report their pages
+    assert facts["window_released_pages"] == 0  # no token ever left a window
+    assert hybrid == metrics_of(base) and "hybrid_kv" not in metrics_of(base)
 
 
 def make_allocator(num_blocks=64, block_size=4, per_kind=None):
@@ -149,6 +152,9 @@ def test_per_kind_pools_run_without_layer_padding():
         return metrics_of(cfg)
     shared, per_kind = run("shared"), run("per_kind")
     assert shared["unserved"]["unfinished"] == per_kind["unserved"]["unfinished"] == 0
+    assert shared["hybrid_kv"]["window_released_pages"] > 0  # 512-token windows on longer sequences
+    assert shared["hybrid_kv"]["padding_layers_of_group_layers"] == pytest.approx(8 / 40)  # 22 -> 30, 10
+    assert per_kind["hybrid_kv"]["padding_layers_of_group_layers"] == 0
     assert shared["kv"]["internal_frag_frac"] > per_kind["kv"]["internal_frag_frac"]  # 8 padding layers
     small = compose_config("run", [*SMALL, "+allocator_options.paged.pools=per_kind", "model=gemma3_27b",
                                    "gpu=h200", "max_model_len=32768", "kv_cache_memory_bytes=20000000000"])

@@ -60,6 +60,7 @@ class HybridBlockAllocator:
         self.block_cost = [kind.group.count * kind.tokens_per_page * kind.entry_bytes if per_kind
                            else kind.per_block * kind.page_bytes for kind in layout.page_kinds]
         self.seqs: dict[int, HybridSeq] = {}
+        self.num_window_released_pages = 0  # pages released because every token in them left a window
 
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False, eviction: str = "lru",
@@ -127,9 +128,14 @@ class HybridBlockAllocator:
         if any(r > free + 1e-6 for r, free in zip(required, self.pool_free)):
             return None
         self.pool_free = [free - n for free, n in zip(self.pool_free, needed)]
-        if record is None:            self.seqs[seq.seq_id] = HybridSeq(end, seq.final_len, first_live, blocks)
-        else:
-            record.num_tokens, record.first_live, record.blocks = end, first_live, blocks
+        if record is None:
+            self.seqs[seq.seq_id] = HybridSeq(end, seq.final_len, first_live, blocks)
+            return ()
+        for kind, old, new in zip(self.layout.page_kinds, record.first_live, first_live):
+            if kind.window:  # pages whose tokens all left the window, released
+                size = kind.tokens_per_page
+                self.num_window_released_pages += (new // size - old // size) * kind.per_block
+        record.num_tokens, record.first_live, record.blocks = end, first_live, blocks
         return ()
 
     def free(self, seq) -> None:

@@ -47,6 +47,7 @@ class HybridPrefixAllocator:
         self.used_per_group = [0] * len(self.groups)
         self.seqs: dict[int, HybridTables] = {}
         self._keys: dict[int, list[int]] = {}
+        self.num_window_released_pages = 0  # released (still cached) because their tokens left a window
 
     @classmethod
     def from_pool(cls, pool, max_model_len: int, eviction: str = "lru", pools: str = "shared"):
@@ -169,6 +170,7 @@ class HybridPrefixAllocator:
             if dropped:
                 table[:first] = [-1] * first
                 self._release(dropped)
+                self.num_window_released_pages += len(dropped)
 
     def _release(self, blocks: list[int]) -> None:
         self.pool.release(blocks)
