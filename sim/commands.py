@@ -125,23 +125,19 @@ def kv_axes_task(cfg: DictConfig, out_dir: Path) -> None:
     from sim.results import write_csv
     from sim.run import build_workload, prepare, simulate
 
-    def simulate_run(vcfg, label):
+    def simulate_run(vcfg, workload, label):
         setup = prepare(vcfg)
-        result = simulate(setup, build_workload(vcfg, setup.spec.seed), "paged", vcfg.router)
+        result = simulate(setup, workload, "paged", vcfg.router)
         if not cfg.quiet:
             print(f"  {label}: {result.metrics['wall_time_s']:.1f} s", file=sys.stderr)
         return setup, result
-
-    def mean_tokens_of(wcfg):
-        requests = [r for s in build_workload(wcfg, wcfg.seed).sessions for r in s.turns]
-        return sum(min(r.prompt_len + r.output_len, wcfg.max_model_len) for r in requests) / max(len(requests), 1)
 
     def compose_workload(overrides):
         from hydra import compose
         given = [o for o, _ in user_keys()]
         return compose(config_name="run", overrides=[*given, *overrides])
 
-    table = run_kv_axes(cfg, compose_workload, simulate_run, mean_tokens_of)
+    table = run_kv_axes(cfg, compose_workload, lambda wcfg: build_workload(wcfg, wcfg.seed), simulate_run)
     write_csv(out_dir / "kv_axes.csv", table)
     plot_kv_axes(table, out_dir / "kv_axes.png")
     if not cfg.quiet:

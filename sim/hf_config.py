@@ -126,7 +126,7 @@ def model_fields_from_hf(values: dict, where: str) -> tuple[dict, list[str]]:
     }
     notes: list[str] = []
     fields.update(_dtypes(r, notes))
-    fields.update(_moe(r, family, fields["num_layers"], notes))
+    fields.update(_moe(r, family, notes))
     if r.get("kv_lora_rank"):  # MLA: one latent per token, head_dim the value width
         fields.update(attention="mla", kv_lora_rank=r.get("kv_lora_rank"), num_kv_heads=1,
                       qk_rope_head_dim=r.get("qk_rope_head_dim"), q_lora_rank=r.get("q_lora_rank") or 0,
@@ -171,7 +171,7 @@ def _dtypes(r: _Reader, notes: list[str]) -> dict:
     return out
 
 
-def _moe(r: _Reader, family: str, num_layers: int, notes: list[str]) -> dict:
+def _moe(r: _Reader, family: str, notes: list[str]) -> dict:
     experts = r.get("n_routed_experts") or r.get("num_local_experts") or r.get("num_experts") or 0
     if not experts:
         return {}

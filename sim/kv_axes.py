@@ -44,10 +44,16 @@ def _memory_row(model: ModelSpec, kv_dtype: str, tensor_parallel_size: int, mean
             "kv_bytes_per_sequence_at_mean_length": per_sequence * model.kv_replication(tensor_parallel_size)}
 
 
-def run_kv_axes(cfg: DictConfig, compose_workload, simulate_run, mean_tokens_of) -> pd.DataFrame:
+def mean_sequence_tokens(workload, max_model_len: int) -> float:
+    """Mean prompt + output tokens per request (capped at max_model_len, as sequences are)."""
+    requests = [r for session in workload.sessions for r in session.turns]
+    return sum(min(r.prompt_len + r.output_len, max_model_len) for r in requests) / max(len(requests), 1)
+
+
+def run_kv_axes(cfg: DictConfig, compose_workload, build_workload, simulate_run) -> pd.DataFrame:
     """One row per workload x variant x KV dtype. compose_workload(overrides) -> the run config
-    with a workload's overrides; simulate_run(cfg, label) -> (Setup, RunResult);
-    mean_tokens_of(cfg) -> the workload's mean prompt + output tokens per request."""
+    with a workload's overrides; build_workload(cfg) -> its requests (built once per workload:
+    the variants change the model only); simulate_run(cfg, workload, label) -> (Setup, RunResult)."""
     spec = cfg.kv_axes
     if spec is None:
         raise ConfigError("task=kv_axes needs the experiment's parameters, key kv_axes, "
@@ -55,7 +61,8 @@ def run_kv_axes(cfg: DictConfig, compose_workload, simulate_run, mean_tokens_of)
     rows, skipped = [], []
     for workload_name, overrides in spec.workloads.items():
         wcfg = compose_workload(list(overrides))
-        mean_tokens = mean_tokens_of(wcfg)
+        workload = build_workload(wcfg)
+        mean_tokens = mean_sequence_tokens(workload, wcfg.max_model_len)
         for variant, fields in spec.variants.items():
             for kv_dtype in spec.kv_dtypes:
                 vcfg = variant_cfg(wcfg, OmegaConf.to_container(fields, resolve=True) or {}, kv_dtype)
@@ -63,7 +70,7 @@ def run_kv_axes(cfg: DictConfig, compose_workload, simulate_run, mean_tokens_of)
                 dtype = resolve_kv_dtype(model, kv_dtype)
                 row = {"workload": workload_name, "variant": variant, "kv_dtype": dtype}
                 if not model.unsimulated_kinds:
-                    setup, result = simulate_run(vcfg, f"{workload_name}/{variant}/{dtype}")
+                    setup, result = simulate_run(vcfg, workload, f"{workload_name}/{variant}/{dtype}")
                     row.update(_memory_row(model, dtype, setup.spec.tensor_parallel_size, mean_tokens))
                     m = result.metrics
                     row.update(simulated=True, kv_pool_gib=setup.pool.pool_bytes / 2**30,

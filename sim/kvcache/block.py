@@ -66,7 +66,7 @@ class BlockAllocator:
             return HybridPrefixAllocator.from_pool(pool, max_model_len, eviction, pools)
         if getattr(pool, "layout", None) is not None:
             from sim.kvcache.hybrid import HybridBlockAllocator
-            return HybridBlockAllocator.from_pool(pool, max_model_len, enable_caching, eviction, pools)
+            return HybridBlockAllocator.from_pool(pool, max_model_len, pools)
         if pools != "shared":
             raise ConfigError(f"pools={pools} applies to models with sliding or chunked layers only, "
                               f"allocator key pools, leave it shared (the default)")

@@ -63,11 +63,8 @@ class HybridBlockAllocator:
         self.num_window_released_pages = 0  # pages released because every token in them left a window
 
     @classmethod
-    def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False, eviction: str = "lru",
-                  pools: str = "shared"):
-        if enable_caching:
-            raise ConfigError("prefix caching for a model with window, chunk or compressed layers is not built "
-                              "yet, key allocators, use allocators=[paged]")
+    def from_pool(cls, pool, max_model_len: int, pools: str = "shared"):
+        """(Prefix caching goes to sim.kvcache.hybrid_prefix; BlockAllocator.from_pool routes.)"""
         if pools not in POOLS:
             raise ConfigError(f"unknown pools '{pools}', allocator key pools, use shared (vLLM) or per_kind (TensorRT-LLM)")
         layout = pool.layout

@@ -379,6 +379,7 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
     prefill_tokens = prefill_seqs = prefill_kv = 0
     decode_seqs, decode_context, sampled = cohort_seqs, cohort_context, cohort_seqs
     context_pairs = causal_pairs = 0
+    decodes, prefills = [], []  # (context, new tokens) of each, for attention_groups only
     for seq, num_new in scheduled:
         context = seq.num_computed
         if context + num_new == seq.num_tokens:
@@ -386,32 +387,33 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
             if num_new == 1 and seq.num_output:
                 decode_seqs += 1
                 decode_context += context + 1
+                if attention_groups:
+                    decodes.append(context + 1)
                 continue
         prefill_tokens += num_new
         prefill_seqs += 1
         prefill_kv += context + num_new
         context_pairs += num_new * context
         causal_pairs += num_new * (num_new + 1) // 2
-    groups = _group_attention(scheduled, attention_groups) if attention_groups else ()
+        if attention_groups:
+            prefills.append((context, num_new))
+    groups = _group_attention(decodes, prefills, attention_groups) if attention_groups else ()
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
                       decode_context, sampled, swap_tokens, copy_tokens, groups)
 
 
-def _group_attention(scheduled, groups) -> tuple[tuple[int, ...], ...]:
+def _group_attention(decodes, prefills, groups) -> tuple[tuple[int, ...], ...]:
     """Per layer group: (decode keys, prefill pairs against the cache, causal pairs, prefill KV
-    tokens, indexer keys of decodes, indexer pairs of prefills) summed over the batch, split
-    into decode and prefill as _shape splits it."""
+    tokens, indexer keys of decodes, indexer pairs of prefills) summed over the batch's decodes
+    (their contexts) and prefill chunks ((cached, new) tokens), as _shape split them."""
     out = []
     for group in groups:
-        decode = context_pairs = causal = kv = index_decode = index_pairs = 0
-        for seq, num_new in scheduled:
-            context = seq.num_computed
-            if num_new == 1 and seq.num_output and context + 1 == seq.num_tokens:
-                decode += decode_reach(group, context + 1)
-                index_decode += indexer_keys(group, context + 1)
-            else:
-                pairs, within, read = prefill_reach(group, context, num_new)
-                context_pairs, causal, kv = context_pairs + pairs, causal + within, kv + read
-                index_pairs += indexer_pairs(group, context, num_new)
+        decode = sum(decode_reach(group, context) for context in decodes)
+        index_decode = sum(indexer_keys(group, context) for context in decodes)
+        context_pairs = causal = kv = index_pairs = 0
+        for cached, new in prefills:
+            pairs, within, read = prefill_reach(group, cached, new)
+            context_pairs, causal, kv = context_pairs + pairs, causal + within, kv + read
+            index_pairs += indexer_pairs(group, cached, new)
         out.append((decode, context_pairs, causal, kv, index_decode, index_pairs))
     return tuple(out)
