@@ -62,6 +62,7 @@ class ModelSpec:
     # Per-layer kinds (sim.kv_layout.LayerGroup), in order; () = all layers of `attention`.
     layers: tuple[LayerGroup, ...] = ()
     source: str = ""  # where the figures come from (a config.json, a paper)
+    substituted: str = ""  # what the spec counts otherwise than the checkpoint (said by every run)
 
     def __post_init__(self):
         where = f"model '{self.name}'"

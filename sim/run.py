@@ -98,6 +98,8 @@ def _instantiate(cfg, where: str, **kwargs):
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     model = model_from_config(cfg.model)
+    if model.substituted:
+        print(f"note: model {model.name}: {model.substituted}", file=sys.stderr)
     if model.unsimulated_kinds:
         raise ConfigError(f"model {model.name} has {', '.join(model.unsimulated_kinds)} layers, which the "
                           f"simulator's allocators and step times do not model yet (python -m sim kv prices "

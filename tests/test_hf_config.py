@@ -58,7 +58,7 @@ def test_shipped_models_are_what_their_configs_say(name, fixture):
     shipped, parsed = load_model(name), model_from_hf(str(HF / fixture), quiet=True)
     different = {f.name for f in dataclasses.fields(shipped)
                  if getattr(shipped, f.name) != getattr(parsed, f.name)}
-    assert different <= {"name", "source", "num_params", "weight_block_size", "kv_dtype"}
+    assert different <= {"name", "source", "substituted", "num_params", "weight_block_size", "kv_dtype"}
     assert shipped.kv_bytes_per_token() == parsed.kv_bytes_per_token()
     assert shipped.num_params == pytest.approx(parsed.num_params, rel=0.01)
 
@@ -129,3 +129,11 @@ def test_a_dtype_it_does_not_model_is_said():
     fields, notes = model_fields_from_hf({**LLAMA, "torch_dtype": "float32"}, "x")
     assert fields["weight_dtype"] == "bf16" and any("float32 is not modelled" in n for n in notes)
     assert any("no torch_dtype" in n for n in model_fields_from_hf(LLAMA, "x")[1])
+
+
+def test_a_shipped_model_says_what_it_counts_otherwise(capsys):
+    from sim.run import prepare
+    from tests.conftest import compose_config
+    prepare(compose_config("run", ["model=gpt_oss_120b", "gpu=h200", "tensor_parallel_size=4", "allocators=[paged]",
+                                   "max_model_len=8192"]))
+    assert "note: model gpt_oss_120b: its MXFP4 experts are counted in BF16" in capsys.readouterr().err
