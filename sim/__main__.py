@@ -1,4 +1,4 @@
-"""`python -m sim <command> [key=value ...]`: run | kv | trace-stats | report | validate.
+"""`python -m sim <command> [key=value ...]`: run | capacity | kv | trace-stats | report | validate.
 
 The subcommand word is removed from sys.argv before Hydra sees it (Hydra would read `run` as a
 malformed override), the overrides are validated, then that subcommand's Hydra app runs.
@@ -16,11 +16,14 @@ def _commands():
     from sim import commands
     groups = {"scenario": "scenario=NAME", "model": "model=NAME", "gpu": "gpu=NAME, a profile",
               "allocator": "allocators=[NAME,...], one run each", "scheduler": "scheduler=NAME",
-              "router": "router=NAME", "experiment": "+experiment=NAME"}
+              "router": "router=NAME", "queue_order": "queue_order=NAME", "experiment": "+experiment=NAME"}
     return {
         "run": Command("run", lambda: commands.run_task,
                        "Simulate a scenario once per allocator; print the comparison, write results and plots.",
                        groups),
+        "capacity": Command("run", lambda: commands.capacity_task,
+                            "The highest arrival rate (or the fewest replicas: capacity.search=replicas) "
+                            "meeting slo.*, per allocator; writes capacity.json, .csv and .png.", groups),
         "kv": Command("kv", lambda: commands.kv_task,
                       "KV bytes per token and the cache size of a model for tokens x batch.",
                       {"model": "model=NAME"}),
@@ -35,7 +38,7 @@ def _commands():
     }
 
 
-USAGE = "usage: python -m sim {run|kv|trace-stats|report|validate} [key=value ...] [-m] [--cfg job]"
+USAGE = "usage: python -m sim {run|capacity|kv|trace-stats|report|validate} [key=value ...] [-m] [--cfg job]"
 
 
 def select_trace_scenario(argv: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """The Hydra task functions behind each subcommand."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,13 @@ def profile_line(latency_profile: dict) -> str:
     parts = "; ".join(f"{kind}: {', '.join(ops)}" for kind, ops in kinds.items())
     return (f"step times: gpu profile {latency_profile['gpu']} ({parts}); sources: "
             f"python -m calibration show gpu={latency_profile['gpu']}")
+
+
+def kv_pool_line(results) -> str:
+    """Each replica's KV pool, in the token slots each allocator gets from it."""
+    slots = ", ".join(f"{r.allocator} {r.metrics['kv_pool']['token_slots_per_replica']:,}" for r in results)
+    return (f"kv pool per replica: {results[0].metrics['kv_pool']['bytes_per_replica'] / GiB:.1f} GiB, "
+            f"token slots: {slots}")
 
 
 def run_task(cfg: DictConfig) -> None:
@@ -66,6 +74,7 @@ def run_task(cfg: DictConfig) -> None:
         print(title)
         print(format_table(comparison))
         print(format_serving(comparison))
+        print(kv_pool_line(results))
         print(profile_line(results[0].metrics["latency_profile"]))
         print(f"results: {final_dir(out_dir)}")
     progress = sweep_progress(out_dir)
@@ -73,16 +82,80 @@ def run_task(cfg: DictConfig) -> None:
         print(progress, file=sys.stderr)
 
 
+def capacity_task(cfg: DictConfig) -> None:
+    """Search, per allocator, the highest rate (or fewest replicas) that meets the SLOs; write
+    capacity.json (and one per allocator folder), capacity.csv and capacity.png."""
+    import pandas as pd
+
+    from sim.capacity_search import CapacitySpec, plot_search, run_search
+    from sim.report import run_title
+    from sim.results import write_csv, write_json
+    from sim.run import build_workload, prepare
+    from sim.workload.overlength import truncate_overlength
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_keys_are_read(cfg, HydraConfig.get().runtime.choices, command="capacity")
+    spec = CapacitySpec(**OmegaConf.to_container(cfg.capacity, resolve=True))
+    setup = prepare(cfg)
+    if not setup.spec.slo.targets:
+        raise ConfigError("python -m sim capacity needs at least one SLO target, key slo.ttft_s, "
+                          "give e.g. slo.ttft_s=2 (or slo.tpot_s, slo.e2e_s)")
+    workload = build_workload(cfg, setup.spec.seed)
+    if setup.spec.on_overlength == "truncate":
+        workload = truncate_overlength(workload, setup.spec.max_model_len)
+    title = run_title(cfg, HydraConfig.get())
+    slots = setup.pool.num_slots
+    print(f"{title}\nkv pool per replica: {setup.pool.pool_bytes / GiB:.1f} GiB, {slots:,} token slots "
+          f"(paged; contiguous: {setup.pool.num_token_slots:,})", file=sys.stderr)
+    results, rows = {}, []
+    for allocator in setup.allocator_configs:
+        result, steps = run_search(setup, workload, allocator, spec, cfg.router, cfg.queue_order)
+        results[allocator], rows = result, rows + steps
+    slo = dataclasses.asdict(setup.spec.slo)
+    for allocator, result in results.items():
+        (out_dir / allocator).mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / allocator / "capacity.json", {"search": spec.search, "slo": slo, **result})
+    summary = {"search": spec.search, "slo": slo, "by_allocator": results}
+    if len(results) == 1:
+        summary.update(next(iter(results.values())))
+    write_json(out_dir / "capacity.json", summary)
+    write_csv(out_dir / "capacity.csv", pd.DataFrame(rows))
+    if cfg.plots:
+        plot_search(rows, results, out_dir / "capacity.png", title, spec.search)
+    if not cfg.quiet:
+        print(capacity_lines(results, spec.search))
+        print(f"results: {final_dir(out_dir)}")
+
+
+def capacity_lines(results: dict, search: str) -> str:
+    lines = []
+    for allocator, r in results.items():
+        if search == "rate":
+            found = (f"max_rate_rps {r['max_rate_rps']:.3f} (x{r['max_rate_scale']:.4g} the workload's "
+                     f"{r['base_rate_rps']:.3f} req/s)" if r["max_rate_scale"] else
+                     "no rate tried meets the SLOs")
+            if not r["bracketed"]:
+                found += f"; not bracketed within capacity.max_steps={r['num_steps']}: raise it"
+        else:
+            found = (f"min_replicas {r['min_replicas']} ({r['min_gpus']} GPUs) at {r['rate_rps']:.3f} req/s"
+                     if r["min_replicas"] else "no replica count tried meets the SLOs (raise capacity.max_replicas)")
+        lines.append(f"{allocator}: {found}, {r['num_steps']} simulations")
+    return "\n".join(lines)
+
+
 def user_keys() -> list[tuple[str, str]]:
     """(override, its dotted key) for each key=value the user gave this command."""
     return [(o, o.lstrip("+~").split("=", 1)[0]) for o in HydraConfig.get().overrides.task]
 
 
-def check_keys_are_read(cfg: DictConfig, choices) -> None:
+def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
     """A key the user set that nothing in this run reads is an error, not silently ignored."""
     scenario = choices.get("scenario")
     allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
     for override, key in user_keys():
+        if key.startswith("capacity.") and command != "capacity":
+            raise ConfigError(f"python -m sim {command} does not read {key}, override '{override}', "
+                              f"use python -m sim capacity (or drop it)")
         if override.startswith("+") and key.split(".")[0] not in OPEN_NODES:
             raise ConfigError(f"{key} is not a key of python -m sim run, override '{override}', "
                               f"drop it (python -m sim run --help lists the keys)")

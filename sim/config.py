@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sim.errors import ConfigError
+from sim.slo import SloSpec, slo_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
 OVERLENGTH_POLICIES = ("reject", "truncate")
@@ -21,6 +22,25 @@ OVERLENGTH_POLICIES = ("reject", "truncate")
 @dataclass
 class ClusterConfig:
     num_replicas: int = MISSING
+    router_staleness_s: float = 0.0
+
+
+@dataclass
+class CapacityConfig:
+    """`python -m sim capacity`: what to search for, and when to stop (sim/capacity_search.py)."""
+    search: str = "rate"
+    tolerance: float = 0.05
+    max_steps: int = 16
+    max_replicas: int = 64
+
+
+@dataclass
+class SloConfig:
+    """Latency targets (null: none) and the percentile each must hold at."""
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    e2e_s: Optional[float] = None
+    percentile: float = 90.0
 
 
 @dataclass
@@ -58,6 +78,7 @@ class RunConfig:
     model: Any = MISSING
     scheduler: Any = MISSING
     router: Any = MISSING
+    queue_order: Any = MISSING
     gpu: str = MISSING
     seed: int = MISSING
     tensor_parallel_size: int = MISSING
@@ -83,6 +104,8 @@ class RunConfig:
     kv_axes: Any = None  # +experiment=kv_axes: the variants, KV dtypes and workloads
     trace: TraceConfig = field(default_factory=TraceConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
     plots: bool = True
     quiet: bool = False
     progress: bool = True
@@ -171,6 +194,8 @@ class EngineSpec:
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
+    router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
+    slo: SloSpec = SloSpec()             # latency targets the metrics check
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -236,6 +261,9 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
              "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
     _require(c["quantization"] in QUANTIZATIONS, "quantization",
              f"unknown quantization '{c['quantization']}'", "use fp8 or null (the model's own weights)")
+    _require(c["cluster"]["router_staleness_s"] >= 0, "cluster.router_staleness_s",
+             f"cluster.router_staleness_s={c['cluster']['router_staleness_s']} is negative",
+             "give seconds >= 0 (0: the router reads replicas live)")
     sizes = c["cudagraph_capture_sizes"] or list(vllm_capture_sizes(c["max_num_seqs"]))
     _require(all(isinstance(n, int) and n >= 1 for n in sizes), "cudagraph_capture_sizes",
              f"cudagraph_capture_sizes={sizes} holds a size below 1", "give batch sizes >= 1, or null for vLLM's")
@@ -257,4 +285,5 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
-        async_output_processing=c["async_output_processing"])
+        async_output_processing=c["async_output_processing"],
+        router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]))

@@ -25,6 +25,7 @@ import pandas as pd
 from sim.errors import ConfigError
 from sim.kvcache.base import USAGE_FIELDS
 from sim.recorder import TIMELINE_COLUMNS
+from sim.slo import SloSpec, slo_block
 
 __all__ = ["TIMELINE_COLUMNS", "summarize", "kv_fractions", "weighted_percentiles", "flatten"]
 
@@ -124,7 +125,7 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
               itl_samples=(), num_workload_requests: int | None = None,
               workload_counts: dict | None = None, last_session_arrival_s: float | None = None,
               max_model_len: int | None = None, workload_facts: dict | None = None,
-              operator_sources: dict | None = None) -> dict:
+              operator_sources: dict | None = None, slo: SloSpec | None = None) -> dict:
     done = requests[requests.status == "finished"]
     window = measurement_window(requests, warmup_s, exclude_drain, last_session_arrival_s)
     duration = window.duration_s
@@ -156,6 +157,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                   "output_tokens_per_s": rate(output_tokens),
                   "total_tokens_per_s": rate(output_tokens + float(finished_in_window.prompt_tokens.sum()))}
     num_workload = len(requests) if num_workload_requests is None else num_workload_requests
+    arrived = (requests.arrival_time_s >= window.start_s) & (requests.arrival_time_s <= window.end_s)
+    num_unfinished_measured = int((arrived & (requests.status != "finished")).sum())
     return {
         "num_requests": int(len(requests)),
         "num_finished": int(len(done)),
@@ -169,6 +172,8 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                         "num_measured_requests": int(len(measured)),
                         "num_finished_in_window": int(len(finished_in_window))},
         "unserved": _unserved(requests, num_workload, workload_counts or {}),
+        "slo": slo_block(slo or SloSpec(), measured, num_unfinished_measured, duration),
+        "routing": routing_balance(done, int(timeline.replica.max()) + 1 if len(timeline) else 1),
         "kv": kv,
         "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
                          "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens},
@@ -181,6 +186,22 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
         **({} if max_model_len is None else {"max_model_len": max_model_len}),
         **({} if workload_facts is None else {"workload": workload_facts}),
     }
+
+
+def routing_balance(done: pd.DataFrame, num_replicas: int) -> dict:
+    """How the router spread the work: finished requests and prefilled prompt tokens (prompt
+    minus prefix hit) per replica, and the busiest replica's over the mean (1: even)."""
+    per_replica = done.groupby("replica")
+    finished = per_replica.size().reindex(range(num_replicas), fill_value=0).to_numpy()
+    prefilled = (done.prompt_tokens - done.prefix_hit_tokens).groupby(done.replica).sum() \
+        .reindex(range(num_replicas), fill_value=0).to_numpy()
+
+    def busiest_over_mean(values) -> float:
+        return float(values.max() / values.mean()) if values.sum() else 1.0
+    return {"finished_requests_per_replica": [int(v) for v in finished],
+            "prefilled_tokens_per_replica": [int(v) for v in prefilled],
+            "busiest_over_mean_finished_requests": busiest_over_mean(finished),
+            "busiest_over_mean_prefilled_tokens": busiest_over_mean(prefilled)}
 
 
 def vllm_bench_block(latency: dict, throughput: dict, num_completed: int) -> dict:

@@ -38,6 +38,12 @@ UNSERVED_COLUMNS = {
     "unserved.failed_in_trace": "failed",
     "unserved.unfinished": "unfinished",
 }
+# Shown only when an SLO target is set (slo.*): whether every target held, and goodput.
+SLO_COLUMNS = {
+    "slo.all_met": "slo_met",
+    "slo.attained_all_share_of_measured_requests": "slo_ok/measured",
+    "slo.goodput_requests_per_s": "goodput_req/s",
+}
 SERVING_ROWS = [  # (vllm bench serve's label, metrics.json key under vllm_bench)
     ("Successful requests", "completed"),
     ("Request throughput (req/s)", "request_throughput"),
@@ -61,6 +67,8 @@ def format_table(comparison: pd.DataFrame) -> str:
     columns = dict(TABLE_COLUMNS)
     columns.update({k: v for k, v in UNSERVED_COLUMNS.items()
                     if k in comparison and comparison[k].fillna(0).any()})
+    if any(f"slo.{name}.target_s" in comparison for name in ("ttft", "tpot", "e2e")):
+        columns.update(SLO_COLUMNS)
     table = comparison[list(columns)].rename(columns=columns)
     return table.to_string(index=False, float_format=_number)
 

@@ -193,14 +193,19 @@ def build_workload(cfg: DictConfig, seed: int) -> Workload:
 
 
 def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
-             on_progress=None) -> RunResult:
+             on_progress=None, queue_order_cfg=None) -> RunResult:
     """One allocator's run; on_progress(now) is called once per request served or rejected."""
     started = time.perf_counter()
     spec = setup.spec
     env = Environment()
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
-    cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s)
+    queue_order = None if queue_order_cfg is None else _instantiate(queue_order_cfg, "queue_order config")
+    cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s,
+                      spec.router_staleness_s)
+    # A router that reads the KV pools needs them current at every arrival: no decode stretches
+    # (their steps' memory is applied when they end).
+    step_exact = spec.step_exact or router.reads_kv_state
     gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
     swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
     scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
@@ -215,10 +220,10 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
         allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
                                  pool=setup.pool, max_model_len=spec.max_model_len)
         allocators.append(allocator)
-        scheduler = Scheduler(scheduler_spec, allocator)
+        scheduler = Scheduler(scheduler_spec, allocator, queue_order)
         recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
         cluster.add_replica(Replica(env, index, scheduler, setup.latency, recorder,
-                                    cluster.on_finish, spec.step_exact))
+                                    cluster.on_finish, step_exact))
     cluster.start(workload)
     if on_progress is not None:
         cluster.on_progress = on_progress
@@ -236,10 +241,16 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                         num_workload_requests=workload.num_requests, workload_counts=counts,
                         last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
                                                    default=0.0),
-                        max_model_len=spec.max_model_len,
+                        max_model_len=spec.max_model_len, slo=spec.slo,
                         workload_facts={"num_skipped_records": workload.num_skipped_records,
                                         "num_failed_requests": workload.num_failed_requests,
                                         "trace_format": workload.trace_format})
+    # Token slots: the allocator's (contiguous: the pool's bytes over a token's; paged: blocks x
+    # block size); a hybrid layout's pages hold different kinds: its smallest page's tokens.
+    slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
+    metrics["kv_pool"] = {"token_slots_per_replica": slots,
+                          "bytes_per_replica": setup.pool.pool_bytes,
+                          "num_blocks_per_replica": setup.pool.num_blocks, "block_size": setup.pool.block_size}
     if setup.pool.layout is not None:  # window, chunk or compressed layers (sim.kvcache.hybrid)
         metrics["hybrid_kv"] = hybrid_kv_facts(setup.pool.layout, allocators)
     if workload.max_concurrency is not None:
@@ -274,4 +285,4 @@ def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
         workload = truncate_overlength(workload, setup.spec.max_model_len)
     names = list(setup.allocator_configs)
     with progress_bar(show_progress, workload.num_requests * len(names), "+".join(names)) as bar:
-        return [simulate(setup, workload, name, cfg.router, bar.advance) for name in names]
+        return [simulate(setup, workload, name, cfg.router, bar.advance, cfg.queue_order) for name in names]

@@ -69,3 +69,12 @@ def test_vllm_knob_names_are_top_level_keys():
     setup = prepare(cfg)
     assert setup.pool.block_size == 32 and setup.kv_dtype == "fp8"
     assert list(setup.allocator_configs) == ["contiguous", "prefix"]   # paged became prefix
+
+
+@pytest.mark.parametrize("group", ["router", "queue_order"])
+def test_every_router_and_queue_order_option_builds(group):
+    from hydra.utils import instantiate
+    for option in options(group):
+        cfg = compose_config("run", [f"{group}={option}"])
+        policy = instantiate(cfg[group])
+        assert callable(policy) if group == "router" else hasattr(policy, "victim"), option

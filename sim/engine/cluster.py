@@ -9,16 +9,19 @@ from collections import deque
 
 import simpy
 
+from sim.router.view import ReplicaView, StaleReplicaView
 from sim.scheduler import Sequence
 from sim.workload.request import Session, Workload
 
 
 class Cluster:
     def __init__(self, env: simpy.Environment, router, recorder, max_model_len: int,
-                 serving_overhead_s: float = 0.0):
+                 serving_overhead_s: float = 0.0, router_staleness_s: float = 0.0):
         self.env, self.router, self.recorder, self.max_model_len = env, router, recorder, max_model_len
         self.serving_overhead_s = serving_overhead_s
+        self.router_staleness_s = router_staleness_s
         self.replicas = []
+        self._views = []  # what the router reads of each replica (sim.router.view)
         self.on_progress = lambda now: None  # called once per request served or rejected
         self._sessions: dict[tuple[int, int], Session] = {}
         self._samples: dict[int, list[Sequence]] = {}  # request id -> finished samples so far
@@ -30,6 +33,8 @@ class Cluster:
 
     def add_replica(self, replica) -> None:
         self.replicas.append(replica)
+        self._views.append(StaleReplicaView(replica, self.env, self.router_staleness_s)
+                           if self.router_staleness_s else ReplicaView(replica))
 
     def start(self, workload: Workload) -> None:
         sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id, s.chain))
@@ -66,7 +71,7 @@ class Cluster:
             self._route(seq)
 
     def _route(self, seq: Sequence) -> None:
-        self.replicas[self.router(self.replicas, seq.request)].submit(seq)
+        self.replicas[self.router(self._views, seq.request)].submit(seq)
 
     def on_finish(self, seq: Sequence) -> None:
         """A sample finished; a request is done when all of its n samples are."""

@@ -3,6 +3,8 @@
 Every allocator answers the same ask-then-act calls:
 
     lookup_prefix(seq)                 -> PrefixHit (0 tokens when nothing is cached)
+    cached_prefix_tokens(request)      -> tokens of a new request's prompt lookup_prefix would find
+                                          now (for routers; keeps nothing)
     allocate(seq, num_new_tokens, hit, full_tokens, watermark)
                                        -> tuple of new block ids / extents, or None if it does not fit
                                           (full_tokens and watermark gate an admission, as vLLM v1)

@@ -103,6 +103,16 @@ class BlockAllocator:
         blocks = tuple(takewhile(_is_block, map(self.pool.cached.get, islice(keys, count))))
         return PrefixHit(len(blocks) * self.block_size, blocks) if blocks else NO_HIT
 
+    def cached_prefix_tokens(self, request) -> int:
+        """Tokens of a new request's prompt that lookup_prefix would find cached now (a pure
+        query for routers: nothing is kept)."""
+        if not self.enable_caching:
+            return 0
+        count = (request.prompt_len - 1) // self.block_size
+        cached = self.pool.cached.get
+        return sum(1 for _ in takewhile(_is_block, map(cached, request.prefix_keys(self.block_size, 0, count)))) \
+            * self.block_size
+
     def _block_keys(self, seq, count: int) -> list[tuple]:
         """The keys of seq's first count blocks (or more), each computed once while seq lives."""
         keys = self._keys.setdefault(seq.seq_id, [])

@@ -75,6 +75,9 @@ class ContiguousAllocator:
     def lookup_prefix(self, seq) -> PrefixHit:
         return NO_HIT
 
+    def cached_prefix_tokens(self, request) -> int:
+        return 0
+
     def reservation_of(self, seq) -> int:
         return reservation(self.reserve, seq.final_len, self.max_model_len)
 

@@ -100,6 +100,9 @@ class HybridBlockAllocator:
     def lookup_prefix(self, seq):
         return NO_HIT
 
+    def cached_prefix_tokens(self, request) -> int:
+        return 0
+
     def _bytes(self, first_live: list[int], end: int) -> tuple[list[int], list[float]]:
         """(blocks per page kind, bytes per pool) of a sequence holding tokens up to `end`."""
         blocks, paid = [], [0.0] * len(self.pool_bytes)

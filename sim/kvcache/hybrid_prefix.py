@@ -87,6 +87,22 @@ class HybridPrefixAllocator:
         if count <= 0:
             return NO_HIT
         keys = self._prefix_keys(seq, count)
+        end = self._hit_blocks(keys, count)
+        if end <= 0:
+            return NO_HIT
+        blocks = tuple(tuple(self._cached(group, keys[i]) if i >= self._first_needed(kind, end) else -1
+                             for i in range(end)) for group, (kind, _) in enumerate(self.groups))
+        return PrefixHit(end * self.block_size, blocks)
+
+    def cached_prefix_tokens(self, request) -> int:
+        """Tokens of a new request's prompt that lookup_prefix would find (for routers)."""
+        count = (request.prompt_len - 1) // self.block_size
+        if count <= 0:
+            return 0
+        return self._hit_blocks(request.prefix_keys(self.block_size, 0, count), count) * self.block_size
+
+    def _hit_blocks(self, keys: list[int], count: int) -> int:
+        """Leading blocks of keys[:count] that every group can serve."""
         end = count
         for group, (kind, _) in enumerate(self.groups):  # full attention: left to right
             if not kind.window:
@@ -102,11 +118,7 @@ class HybridPrefixAllocator:
             if short is None:
                 break
             end = short
-        if end <= 0:
-            return NO_HIT
-        blocks = tuple(tuple(self._cached(group, keys[i]) if i >= self._first_needed(kind, end) else -1
-                             for i in range(end)) for group, (kind, _) in enumerate(self.groups))
-        return PrefixHit(end * self.block_size, blocks)
+        return max(end, 0)
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,

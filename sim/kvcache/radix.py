@@ -93,6 +93,12 @@ class RadixAllocator:
         matched = position + partial
         return PrefixHit(matched) if matched else NO_HIT
 
+    def cached_prefix_tokens(self, request) -> int:
+        """Tokens of a new request's prompt that lookup_prefix would find (for routers)."""
+        limit = (request.prompt_len - 1) // self.page_size * self.page_size
+        _, position, _, partial = self._walk(request, limit)
+        return position + partial
+
     # -- act -----------------------------------------------------------------------------------
     def allocate(self, seq, num_new_tokens: int, hit: PrefixHit = NO_HIT, full_tokens: int = 0,
                  watermark: float = 0.0):

@@ -5,8 +5,9 @@ Running sequences are served first, in admission order; one that cannot get memo
 newest running sequence, possibly itself. With preemption_mode=recompute (vLLM v1) its KV is
 freed and it goes to the front of the waiting queue; with swap (vLLM v0) its KV moves to a CPU
 pool over the host link, if that pool has room, and comes back before any waiting request is
-admitted. Waiting sequences are admitted in FCFS order only in steps without a preemption; the
-head of the queue blocks the rest when it does not fit. Admission follows vLLM v1 as of 0.11+
+admitted. Waiting sequences are admitted in queue order (sim.scheduler.queue_order: FCFS by
+default, or priority, or longest prefix match) only in steps without a preemption; the head of
+the queue blocks the rest when it does not fit. Admission follows vLLM v1 as of 0.11+
 (SchedulerConfig.scheduler_reserve_full_isl, default true): a waiting request is admitted only
 when its whole current sequence fits (after its prefix hit), even if only a first chunk is
 scheduled; `watermark` keeps that share of the pool free when admitting while others run
@@ -34,6 +35,7 @@ from sim.kv_layout import decode_reach, indexer_keys, indexer_pairs, prefill_rea
 from sim.kvcache.base import NO_HIT
 from sim.latency.model import BatchShape
 from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
+from sim.scheduler.queue_order import Fcfs
 from sim.scheduler.sequence import Sequence
 
 FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
@@ -93,8 +95,9 @@ BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET, BLOCKED_BY_MEMORY = "max_num_seqs", "budget"
 
 
 class Scheduler:
-    def __init__(self, spec: SchedulerSpec, allocator):
+    def __init__(self, spec: SchedulerSpec, allocator, queue_order=None):
         self.spec, self.allocator = spec, allocator
+        self.queue_order = queue_order or Fcfs()
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,8 +107,8 @@ class Scheduler:
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
-        if spec.attention_groups:  # per-group reach needs every sequence's context
-            new_cohort = None
+        if spec.attention_groups or not self.queue_order.preempts_newest:
+            new_cohort = None  # per-group reach needs every sequence's context; any may be preempted
         self._cohort = DecodeCohort(new_cohort(), spec.max_model_len) if new_cohort else None
 
     def add(self, seq: Sequence) -> None:
@@ -123,6 +126,12 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def queued_tokens(self) -> int:
+        """Tokens not yet computed: whole waiting sequences, the rest of prefills, one per
+        decoding sequence (exact for cohort members too: their counters lag together)."""
+        return sum(seq.num_tokens - seq.num_computed for seq in (*self.waiting, *self.running))
+
+    @property
     def capacity(self) -> int:
         """Token slots of the pool."""
         return self.allocator.capacity
@@ -137,7 +146,7 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         num_preempted = 0
         self._swap_tokens = 0
-        running, allocate = self.running, self.allocator.allocate
+        running, allocate, victim_of = self.running, self.allocator.allocate, self.queue_order.victim
         cohort = self._step_cohort(budget)
         index = len(cohort)
         budget -= index
@@ -145,7 +154,12 @@ class Scheduler:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             while allocate(seq, num_new) is None:
-                victim = running.pop()
+                at = victim_of(running)
+                victim = running.pop(at)
+                if at < index:  # scheduled earlier in this step (priority order): tokens back
+                    position = next(i for i, (other, _) in enumerate(scheduled) if other is victim)
+                    budget += scheduled.pop(position)[1]
+                    index -= 1
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -159,6 +173,8 @@ class Scheduler:
         if not num_preempted or not (scheduled or cohort):
             budget = self._swap_in(scheduled, budget)
             if not self.swapped:
+                if self.queue_order.reorders and self.waiting:
+                    self.queue_order.order(self.waiting, self.allocator)
                 budget = self._admit(scheduled, budget)
         copied = getattr(self.allocator, "num_copied_tokens", 0)  # forks at the last commit, copy-on-write now
         copy_tokens, self._copied_tokens = copied - self._copied_tokens, copied
@@ -304,6 +320,8 @@ class Scheduler:
                 or shape.copy_tokens or shape.num_decode_seqs != num_seqs or plan.batch_size != num_seqs):
             return 1
         blocked = self.admission_blocked_by
+        if self.waiting and self.queue_order.reorders:  # an arrival or the cache may reorder the queue
+            return 1
         if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
                 blocked == BLOCKED_BY_MEMORY
                 and self.allocator.admission_stays_blocked(self.spec.reserve_full_isl))):

@@ -53,6 +53,7 @@ class Request:
     think_time_s: float = 0.0
     n: int = 1
     chain: int = 0  # a session's independent closed-loop chains (agentic subagents)
+    priority: int = 0  # queue_order=priority serves lower values first (vLLM's priority)
 
     def prefix_key(self, end: int) -> int:
         """Identity of tokens [0, end), end >= 1, over prompt then generated output."""

@@ -23,11 +23,13 @@ class SyntheticSpec:
     length_sigma: float
     max_total_tokens: int  # prompt + output are capped here (0: no cap)
     n: int = 1             # parallel samples per request (vLLM's SamplingParams.n)
+    priority_classes: int = 1  # request priorities drawn uniformly from 0..classes-1 (queue_order=priority)
 
     def __post_init__(self):
-        if self.num_requests < 1 or self.request_rate_per_s <= 0 or not 1 <= self.n <= 1024:
-            raise ConfigError("scenario.num_requests must be >= 1, request_rate_per_s > 0 and "
-                              "n in 1..1024, scenario synthetic, fix the values")
+        if (self.num_requests < 1 or self.request_rate_per_s <= 0 or not 1 <= self.n <= 1024
+                or self.priority_classes < 1):
+            raise ConfigError("scenario.num_requests must be >= 1, request_rate_per_s > 0, "
+                              "n in 1..1024 and priority_classes >= 1, scenario synthetic, fix the values")
 
     def generate(self, seed: int) -> Workload:
         arrivals_rng, lengths_rng = (np.random.default_rng(s)
@@ -39,10 +41,14 @@ class SyntheticSpec:
         if self.max_total_tokens:
             inputs = np.minimum(inputs, self.max_total_tokens - 1)
             outputs = np.minimum(outputs, self.max_total_tokens - inputs)
+        priorities = np.zeros(n, dtype=int)
+        if self.priority_classes > 1:  # a third stream: the first two draw as before
+            priorities = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2]).integers(
+                self.priority_classes, size=n)
         interner, sessions = PrefixInterner(), []
         for i in range(n):
             # Content ids 2i+1 (prompt) and 2i+2 (output) are unique to request i.
             request = make_request(interner, i, [(2 * i + 1, int(inputs[i]))], int(outputs[i]),
-                                   2 * i + 2, session_id=i, n=self.n)
+                                   2 * i + 2, session_id=i, n=self.n, priority=int(priorities[i]))
             sessions.append(Session(i, float(arrivals[i]), (request,)))
         return Workload(tuple(sessions))

@@ -1,0 +1,14 @@
+"""Replicas in turn, regardless of load."""
+from __future__ import annotations
+
+
+class RoundRobin:
+    reads_kv_state = False
+
+    def __init__(self):
+        self._next = 0
+
+    def __call__(self, replicas, request) -> int:
+        choice = self._next % len(replicas)
+        self._next += 1
+        return choice
