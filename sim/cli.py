@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from importlib import resources
 from typing import Callable, NamedTuple
 
@@ -21,7 +22,9 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from sim.config import register_schemas
 from sim.errors import KvsimError
 from sim.help import command_help, main_help
-from sim.staging import Staging, discard_failed_job
+from sim.errors import ConfigError
+from sim.staging import (Staging, completed_before, discard_failed_job, finish_sweep, mark_infeasible_job,
+                         sweep_job_dir, sweep_job_overrides)
 
 CONFIG_MODULE = "scenarios"
 # Hydra flags that take a value, and those that do not; neither is an override.
@@ -164,9 +167,25 @@ def _guilty(config_name: str, overrides: list[str]) -> str | None:
 def guarded(task):
     """Wrap a Hydra task so that the project's typed errors print one line and exit 2."""
     def wrapper(cfg):
+        job_dir = sweep_job_dir()
         try:
-            return task(cfg)
+            if cfg.get("resume", False):
+                if job_dir is None:
+                    raise ConfigError("resume=true continues a sweep, key resume, run with -m and the "
+                                      "sweep's hydra.sweep.dir (or drop resume)")
+                if completed_before(job_dir):
+                    print(f"job {job_dir.name}: complete, skipped (resume=true)", file=sys.stderr)
+                    return None
+            started = time.perf_counter()
+            result = task(cfg)
+            if job_dir is not None:
+                from sim.sweep import write_job_status
+                write_job_status(job_dir, "ok", wall_time_s=time.perf_counter() - started,
+                                 overrides=sweep_job_overrides())
+            return result
         except KvsimError as exc:
+            if mark_infeasible_job(str(exc)):  # a sweep job: say so, and the sweep goes on
+                return None
             discard_failed_job()
             fail(str(exc))
         except MissingMandatoryValue as exc:
@@ -215,7 +234,15 @@ def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
     previous = signal.signal(signal.SIGTERM, _terminate)  # clean up as on any failure
     try:
         with staging:
-            app()
+            try:
+                app()
+            except SystemExit as exc:
+                if exc.code not in (0, None) or staging.sweep_dir is None:
+                    raise
+            if staging.sweep_dir is not None:
+                finish_sweep(staging.sweep_dir)
+    except KvsimError as exc:
+        fail(str(exc))
     except KeyboardInterrupt:
         print("error: interrupted, command line, nothing was written", file=sys.stderr)
         raise SystemExit(130) from None

@@ -32,8 +32,16 @@ def profile_line(latency_profile: dict) -> str:
 def kv_pool_line(results) -> str:
     """Each replica's KV pool, in the token slots each allocator gets from it."""
     slots = ", ".join(f"{r.allocator} {r.metrics['kv_pool']['token_slots_per_replica']:,}" for r in results)
-    return (f"kv pool per replica: {results[0].metrics['kv_pool']['bytes_per_replica'] / GiB:.1f} GiB, "
+    line = (f"kv pool per replica: {results[0].metrics['kv_pool']['bytes_per_replica'] / GiB:.1f} GiB, "
             f"token slots: {slots}")
+    for r in results:
+        tiers = r.metrics.get("kv_tiers")
+        if tiers:
+            found = ", ".join(f"{name} {t['hit_tokens']:,} ({t['loaded_bytes'] / 1e9:.1f} GB loaded)"
+                              for name, t in tiers.items() if isinstance(t, dict))
+            line += (f"\nkv tiers ({r.allocator}): prefix tokens found in {found}; steps waited "
+                     f"{tiers['load_wait_s']:.2f} s of {tiers['load_transfer_s']:.2f} s of loads")
+    return line
 
 
 def run_task(cfg: DictConfig) -> None:

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sim.errors import ConfigError
+from sim.kvcache.tiers import OffloadSpec
 from sim.slo import SloSpec, slo_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -32,6 +33,22 @@ class CapacityConfig:
     tolerance: float = 0.05
     max_steps: int = 16
     max_replicas: int = 64
+
+
+@dataclass
+class KvOffloadConfig:
+    """`kv_offload.*`: KV tiers below HBM (meanings in scenarios/run.yaml, sim/kvcache/tiers.py)."""
+    cpu_gib: float = 0.0
+    disk_gib: float = 0.0
+    shared_gib: float = 0.0
+    local_write_through: bool = False
+    shared_write_through: bool = True
+    overlap_load: bool = True
+    eviction: str = "lru"
+    disk_bandwidth_gb_per_s: float = 6.0
+    disk_latency_s: float = 1e-4
+    network_bandwidth_gb_per_s: float = 50.0
+    network_latency_s: float = 2e-5
 
 
 @dataclass
@@ -106,10 +123,12 @@ class RunConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    kv_offload: KvOffloadConfig = field(default_factory=KvOffloadConfig)
     plots: bool = True
     quiet: bool = False
     progress: bool = True
     step_exact: bool = False
+    resume: bool = False
     enforce_eager: bool = False
     cudagraph_capture_sizes: Optional[List[int]] = None
     quantization: Optional[str] = None
@@ -196,6 +215,7 @@ class EngineSpec:
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
     slo: SloSpec = SloSpec()             # latency targets the metrics check
+    kv_offload: OffloadSpec = OffloadSpec()  # KV tiers below HBM (all off by default)
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -286,4 +306,5 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
         async_output_processing=c["async_output_processing"],
-        router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]))
+        router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),
+        kv_offload=OffloadSpec(**c["kv_offload"]))

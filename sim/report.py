@@ -248,69 +248,6 @@ def plot_run(comparison: pd.DataFrame, timelines: dict, requests: dict, out_dir:
     return written
 
 
-SWEEP_METRICS = [("kv.internal_frag_of_capacity", "internal fragmentation / capacity"),
-                 ("prefix_cache.hit_rate", "prefix hits / prompt tokens"),
-                 ("kv.waste_of_used", "waste / used"),
-                 ("throughput.output_tokens_per_s", "output tokens / s")]
-
-
-def _scalar(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def sweep_summary(sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
-    """One row per (job, allocator): the job's overrides, then its comparison row; and the keys
-    whose values differ between jobs (the swept ones)."""
-    frames = []
-    for job in sorted((p for p in sweep_dir.iterdir() if (p / COMPARISON_FILE).is_file()),
-                      key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
-        frame = pd.read_csv(job / COMPARISON_FILE)
-        overrides_file = job / ".hydra" / "overrides.yaml"
-        lines = overrides_file.read_text().splitlines() if overrides_file.is_file() else []
-        for line in reversed(lines):
-            key, _, value = line.removeprefix("- ").partition("=")
-            if key and not key.startswith(("+", "hydra")):
-                frame.insert(0, key, _scalar(value))
-        frame.insert(0, "job", job.name)
-        frames.append(frame)
-    summary = pd.concat(frames, ignore_index=True)
-    override_keys = list(summary.columns[1:summary.columns.get_loc("allocator")])
-    swept = [k for k in override_keys if summary.groupby("job")[k].first().nunique() > 1]
-    return summary, swept
-
-
-def plot_sweep(summary: pd.DataFrame, key: str, path: Path) -> None:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(SWEEP_METRICS), figsize=(4 * len(SWEEP_METRICS), 3.6))
-    for ax, (column, label) in zip(axes, SWEEP_METRICS):
-        for name, rows in summary.groupby("allocator", sort=False):
-            rows = rows.sort_values(key)
-            ax.plot(rows[key], rows[column], marker="o", label=name)
-        ax.set_xlabel(key)
-        ax.set_title(label)
-        if summary[key].min() > 0 and summary[key].max() / summary[key].min() > 16:
-            ax.set_xscale("log", base=2)
-    axes[0].legend(fontsize=8)
-    base = str(summary["run_title"].iloc[0]).split(" | ")[0] if "run_title" in summary else ""
-    _finish(fig, path, f"swept: {key} = {', '.join(str(v) for v in sorted(summary[key].unique()))}"
-                       + (f"\n{base}" if base else ""))
-
-
-def report_sweep(sweep_dir: Path) -> list[Path]:
-    summary, swept = sweep_summary(sweep_dir)
-    written = [sweep_dir / "sweep_summary.csv"]
-    write_csv(written[0], summary)
-    if len(swept) == 1 and pd.api.types.is_numeric_dtype(summary[swept[0]]):
-        written.append(sweep_dir / "sweep.png")
-        plot_sweep(summary, swept[0], written[-1])
-    return written
-
-
 def _with_denominator_names(comparison: pd.DataFrame) -> pd.DataFrame:
     """Runs written before the *_of_capacity / *_of_used names had the same shares as *_frac."""
     if "kv.token_states_of_capacity" in comparison:
@@ -326,10 +263,12 @@ def _with_denominator_names(comparison: pd.DataFrame) -> pd.DataFrame:
 
 def report(run_dir: Path) -> list[Path]:
     """Redraw a run directory's plots and write its memory breakdown as CSV; for a sweep
-    directory, write sweep_summary.csv (and sweep.png when one numeric key was swept)."""
+    directory, its summary, figures and index.html (sim.sweep)."""
     comparison_path = run_dir / COMPARISON_FILE
     if not comparison_path.is_file():
-        if run_dir.is_dir() and any((p / COMPARISON_FILE).is_file() for p in run_dir.iterdir()):
+        if run_dir.is_dir() and any((p / COMPARISON_FILE).is_file() or (p / "status.json").is_file()
+                                    for p in run_dir.iterdir() if p.is_dir()):
+            from sim.sweep import report_sweep
             return report_sweep(run_dir)
         raise KvsimError(f"no {COMPARISON_FILE} in '{run_dir}', key run_dir, "
                          f"pass a directory written by 'python -m sim run' or a sweep directory")

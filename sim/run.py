@@ -22,6 +22,7 @@ from sim.config import EngineSpec, engine_spec
 from sim.engine.cluster import Cluster
 from sim.engine.replica import Replica
 from sim.errors import ConfigError, UnknownNameError
+from sim.kvcache.tiers import Tier, TierChain
 from sim.latency import LatencyModel, load_profile
 from sim.engine.clock import Environment
 from sim.engine.records import StepRecord
@@ -53,6 +54,29 @@ class Setup:
     pool: KvPool
     latency: LatencyModel
     allocator_configs: dict
+
+
+def takes_tiers(allocator) -> bool:
+    """Whether an allocator keeps a prefix cache that KV tiers can extend (the block allocator)."""
+    return hasattr(allocator, "attach_tiers") and getattr(allocator, "enable_caching", False)
+
+
+def attach_tiers(setup: Setup, allocators: list) -> list[TierChain]:
+    """Each prefix allocator's tier chain: its own CPU and disk tiers, one shared store."""
+    spec, pool = setup.spec.kv_offload, setup.pool
+    if not spec.enabled:
+        return []
+    block_bytes = pool.bytes_per_token * pool.block_size
+    shared = Tier("shared", int(spec.shared_gib * 2**30 // block_bytes), spec.eviction) if spec.shared_gib else None
+    ranks = setup.spec.tensor_parallel_size * setup.spec.pipeline_parallel_size
+    chains = []
+    for allocator in allocators:
+        if takes_tiers(allocator):
+            chain = TierChain(spec, block_bytes, ranks,
+                              lambda blocks: setup.latency.swap_time(blocks * pool.block_size), shared)
+            allocator.attach_tiers(chain)
+            chains.append(chain)
+    return chains
 
 
 def available_allocators() -> list[str]:
@@ -125,7 +149,8 @@ def prepare(cfg: DictConfig) -> Setup:
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
               file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
-                           spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing)
+                           spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
+                           spec.kv_offload.overlap_load)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -133,14 +158,37 @@ def prepare(cfg: DictConfig) -> Setup:
             raise UnknownNameError("allocator", name, available_allocators(), "key allocator_options")
         if name in configs:  # options for allocators not run this time are kept for the next
             configs[name] = OmegaConf.merge(configs[name], values)
-    state_bytes = {}
+    state_bytes, tierless = {}, []
     for name, allocator_cfg in configs.items():  # fail on a bad allocator config up front
         allocator = _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
                                  max_model_len=spec.max_model_len)
         state_bytes[name] = allocator.state_bytes()
+        if not takes_tiers(allocator):
+            tierless.append(name)
+    if spec.kv_offload.enabled and tierless:
+        print(f"note: kv_offload applies to the prefix allocator (vLLM's prefix cache) only: "
+              f"{', '.join(tierless)} run without KV tiers", file=sys.stderr)
     largest = max(state_bytes, key=state_bytes.get)  # allocators run one after another
     check_host_memory(largest, state_bytes[largest], spec.num_replicas)
+    check_tier_memory(spec, pool)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+TIER_KEY_BYTES = 100  # one block key in a tier's ordered dict (measured with tracemalloc: ~95 B)
+
+
+def check_tier_memory(spec: EngineSpec, pool: KvPool) -> None:
+    """Refuse KV tiers whose block keys alone would not fit in this machine's memory."""
+    offload = spec.kv_offload
+    if not offload.enabled:
+        return
+    block_gib = pool.bytes_per_token * pool.block_size / 2**30
+    blocks = ((offload.cpu_gib + offload.disk_gib) * spec.num_replicas + offload.shared_gib) / block_gib
+    budget = 0.8 * available_memory_bytes()
+    if blocks * TIER_KEY_BYTES > budget:
+        raise ConfigError(f"kv_offload tiers of {blocks:,.0f} blocks need about {blocks * TIER_KEY_BYTES / 2**30:,.1f} GiB "
+                          f"of host memory for their block keys and {budget / 2**30:.1f} GiB is available, "
+                          f"key kv_offload.shared_gib (or cpu_gib, disk_gib), lower it or raise block_size")
 
 
 REPLICA_OVERHEAD_BYTES = 64 * 1024  # scheduler, SimPy process, recorder rows of an idle replica
@@ -224,6 +272,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
         recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
         cluster.add_replica(Replica(env, index, scheduler, setup.latency, recorder,
                                     cluster.on_finish, step_exact))
+    chains = attach_tiers(setup, allocators)
     cluster.start(workload)
     if on_progress is not None:
         cluster.on_progress = on_progress
@@ -248,6 +297,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     # Token slots: the allocator's (contiguous: the pool's bytes over a token's; paged: blocks x
     # block size); a hybrid layout's pages hold different kinds: its smallest page's tokens.
     slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
+    if chains:
+        metrics["kv_tiers"] = tier_facts(chains, setup.pool, sum(r.kv_load_wait_s for r in cluster.replicas))
     metrics["kv_pool"] = {"token_slots_per_replica": slots,
                           "bytes_per_replica": setup.pool.pool_bytes,
                           "num_blocks_per_replica": setup.pool.num_blocks, "block_size": setup.pool.block_size}
@@ -261,6 +312,30 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                                              if cluster.num_held_requests else 0.0)}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(allocator_cfg, resolve=True))
+
+
+def tier_facts(chains: list, pool: KvPool, load_wait_s: float) -> dict:
+    """Per tier (summed over replicas; the shared store once): capacity, prefix tokens found
+    there and the bytes loaded, blocks written and dropped; the loads' transfer seconds and the
+    part of them steps waited for (all of it without overlap)."""
+    tokens_per_block, block_bytes = pool.block_size, pool.bytes_per_token * pool.block_size
+    tiers = {}
+    for chain in chains:
+        for tier in chain.tiers:
+            entry = tiers.setdefault(tier.name, {"capacity_tokens": tier.capacity_blocks * tokens_per_block,
+                                                 "hit_tokens": 0, "loaded_bytes": 0, "written_blocks": 0,
+                                                 "dropped_blocks": 0})
+            loaded = chain.num_loaded_blocks[tier.name]
+            entry["hit_tokens"] += loaded * tokens_per_block
+            entry["loaded_bytes"] += int(loaded * block_bytes)
+            if tier.name != "shared":
+                entry["capacity_tokens"] = tier.capacity_blocks * tokens_per_block  # per replica
+                entry["written_blocks"] += tier.num_written_blocks
+                entry["dropped_blocks"] += tier.num_dropped_blocks
+    shared = chains[0].shared
+    if shared is not None:
+        tiers["shared"].update(written_blocks=shared.num_written_blocks, dropped_blocks=shared.num_dropped_blocks)
+    return {**tiers, "load_transfer_s": sum(c.load_s_total for c in chains), "load_wait_s": load_wait_s}
 
 
 def hybrid_kv_facts(layout, allocators) -> dict:

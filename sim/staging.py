@@ -9,8 +9,10 @@ Hydra explicitly, so `${now:...}` cannot resolve twice to different names.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from sim.errors import KvsimError
@@ -175,3 +177,64 @@ def sweep_progress(out_dir: Path) -> str | None:
     done = sum(1 for p in out_dir.parent.iterdir()
                if any((p / name).is_file() for name in JOB_DONE_FILES))
     return f"sweep: {done} of {total} jobs done"
+
+
+def sweep_job_dir() -> Path | None:
+    """This sweep job's folder, or None outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.output_subdir is None:
+        return None
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    return job_dir if job_dir.parent == Path(hydra_cfg.sweep.dir).absolute() else None
+
+
+def mark_infeasible_job(reason: str) -> bool:
+    """In a sweep, a job that cannot run keeps only Hydra's record and a status.json saying
+    why; False outside a sweep."""
+    from sim.sweep import write_job_status
+    job_dir = sweep_job_dir()
+    if job_dir is None:
+        return False
+    for entry in job_dir.iterdir() if job_dir.is_dir() else ():
+        if entry.name != ".hydra":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    write_job_status(job_dir, "infeasible", reason)
+    print(f"job {job_dir.name} infeasible: {reason}", file=sys.stderr)
+    return True
+
+
+def finish_sweep(sweep_dir: Path) -> None:
+    """Write the sweep's summary.parquet; a sweep in which no job ran is an error."""
+    from sim.sweep import sweep_table, write_summary
+    table, _ = sweep_table(sweep_dir)
+    statuses = table.groupby("job").status.first()
+    if not (statuses == "ok").any():
+        reasons = table[table.status == "infeasible"].reason
+        first = reasons.iloc[0] if len(reasons) else "no job finished"
+        raise KvsimError(f"no job of the sweep ran ({len(statuses)} infeasible or unfinished; the first: "
+                         f"{first.removeprefix('error: ')}), hydra.sweep.dir {sweep_dir}, fix the swept values")
+    write_summary(sweep_dir)
+    infeasible = int((statuses == "infeasible").sum())
+    print(f"sweep: {int((statuses == 'ok').sum())} jobs ran, {infeasible} infeasible; "
+          f"summary: {sweep_dir / 'summary.parquet'}", file=sys.stderr)
+
+
+def sweep_job_overrides() -> list[str]:
+    """The job's overrides that decide its results (resume=... does not)."""
+    from hydra.core.hydra_config import HydraConfig
+    return [o for o in HydraConfig.get().overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"]
+
+
+def completed_before(job_dir: Path) -> bool:
+    """Whether a resumed sweep's job already ran with the same overrides (status.json says so)."""
+    from sim.sweep import STATUS_FILE
+    path = job_dir / STATUS_FILE
+    if not path.is_file():
+        return False
+    status = json.loads(path.read_text())
+    return status.get("status") == "ok" and status.get("overrides") == sweep_job_overrides()

@@ -148,12 +148,13 @@ def test_a_successful_run_keeps_its_resolved_config(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]           # no staging folder left
 
 
-def test_a_sweep_keeps_only_the_jobs_that_succeeded(tmp_path):
+def test_a_sweep_says_which_jobs_could_not_run_and_why(tmp_path):
     out = sim(tmp_path, "run", "-m", "+experiment=golden", "scenario.num_sessions=4",
               "allocators=[paged]", "block_size=16,2000", "hydra.sweep.dir=sweep")
-    assert out.returncode == 2 and "block_size=2000 is out of range" in out.stderr
-    assert "sweep: 1 of 2 jobs done" in out.stderr
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
+    assert out.returncode == 0 and "job 1 infeasible: block_size=2000 is out of range" in out.stderr
+    assert "1 jobs ran, 1 infeasible" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "1", "multirun.yaml", "summary.parquet"]
+    assert sorted(p.name for p in (tmp_path / "sweep" / "1").iterdir()) == [".hydra", "status.json"]
     out = sim(tmp_path, "run", "-m", "+experiment=golden", "block_size=2000,3000", "hydra.sweep.dir=none")
     assert out.returncode == 2 and not (tmp_path / "none").exists()
 

@@ -35,6 +35,7 @@ class Replica:
         self._stretch_steps = 0                         # steps it runs (cut short by a submit)
         self._stretch_open = False                      # whether the queue was empty (a submit cuts)
         self._stretch_submits: list[float] = []         # when requests queued behind a blocked head
+        self.kv_load_wait_s = 0.0  # step time spent on KV tier loads (sim.kvcache.tiers)
         self.process = env.process(self._loop())
 
     def submit(self, seq: Sequence) -> None:
@@ -73,6 +74,8 @@ class Replica:
             if steps > 1:
                 plan = yield from self._decode_stretch(plan, steps)
             else:
+                if plan.shape.kv_load_s:
+                    self.kv_load_wait_s += self.latency.breakdown(plan.shape)["kv_load"]
                 yield env.timeout(self.latency.step_time(plan.shape))
             self._commit(plan)
 

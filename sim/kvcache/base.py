@@ -10,9 +10,12 @@ USAGE_FIELDS = ("token_states", "reserved", "internal_frag", "external_frag", "c
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Cached full blocks at the start of a sequence; num_tokens = len(blocks) * block_size."""
+    """Cached full blocks at the start of a sequence, in HBM (blocks) and then in the tiers
+    below it (loaded: blocks per tier, sim.kvcache.tiers); num_tokens = (len(blocks) +
+    sum(loaded)) * block_size."""
     num_tokens: int
     blocks: tuple[int, ...] = ()
+    loaded: tuple[int, ...] = ()
 
 
 NO_HIT = PrefixHit(0)

@@ -49,6 +49,7 @@ class BlockAllocator:
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self.seqs: dict[int, SeqBlocks] = {}
         self._keys: dict[int, list[tuple]] = {}  # each live sequence's block keys, computed once
+        self.tiers = None  # KV tiers below HBM (attach_tiers)
         self.num_forked = 0
         self.num_cow_copies = 0
         self.num_copied_tokens = 0  # KV token slots copied (copy-on-write), timed in the next step
@@ -101,7 +102,22 @@ class BlockAllocator:
         count = (seq.num_tokens - 1) // self.block_size
         keys = self._block_keys(seq, count)
         blocks = tuple(takewhile(_is_block, map(self.pool.cached.get, islice(keys, count))))
+        if self.tiers is not None and len(blocks) < count:  # the rest from the tiers below HBM
+            loaded = self.tiers.extend(keys[len(blocks):count])
+            if loaded:
+                return PrefixHit((len(blocks) + sum(loaded)) * self.block_size, blocks, loaded)
         return PrefixHit(len(blocks) * self.block_size, blocks) if blocks else NO_HIT
+
+    def attach_tiers(self, tiers) -> None:
+        """KV tiers below HBM (sim.kvcache.tiers.TierChain): blocks HBM evicts or keys go
+        there, and lookups continue there."""
+        self.tiers = tiers
+        self.pool.on_evict = tiers.evicted
+        self.pool.on_keyed = tiers.computed if tiers.writes_through else None
+
+    def consume_load_s(self) -> float:
+        """Seconds of tier loads for the admissions since the last call (one step's)."""
+        return self.tiers.consume_load_s() if self.tiers is not None else 0.0
 
     def cached_prefix_tokens(self, request) -> int:
         """Tokens of a new request's prompt that lookup_prefix would find cached now (a pure
@@ -109,9 +125,11 @@ class BlockAllocator:
         if not self.enable_caching:
             return 0
         count = (request.prompt_len - 1) // self.block_size
-        cached = self.pool.cached.get
-        return sum(1 for _ in takewhile(_is_block, map(cached, request.prefix_keys(self.block_size, 0, count)))) \
-            * self.block_size
+        keys = request.prefix_keys(self.block_size, 0, count)
+        found = sum(1 for _ in takewhile(_is_block, map(self.pool.cached.get, keys)))
+        if self.tiers is not None and found < count:  # this replica's own CPU and disk tiers
+            found += self.tiers.local_run(keys[found:count])
+        return found * self.block_size
 
     def _block_keys(self, seq, count: int) -> list[tuple]:
         """The keys of seq's first count blocks (or more), each computed once while seq lives."""
@@ -175,6 +193,9 @@ class BlockAllocator:
                         + int(watermark * self.num_blocks))
         if required > pool.num_free - revived:
             return None
+        if hit.loaded:  # before taking blocks, whose evictions go down the tiers
+            first = len(hit.blocks)
+            self.tiers.load(self._keys[seq.seq_id][first:first + sum(hit.loaded)])
         pool.touch(hit.blocks)
         new_blocks = pool.take(num_needed)
         record = self.seqs[seq.seq_id] = SeqBlocks([*hit.blocks, *new_blocks], end, len(hit.blocks),

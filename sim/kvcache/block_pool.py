@@ -48,6 +48,8 @@ class BlockPool:
         self.num_free = num_blocks
         self.num_cached_free = 0
         self.keyed = False  # whether any block was ever keyed (without keys, nothing to evict)
+        # KV tiers below HBM (sim.kvcache.tiers): told of each key HBM drops and each new key.
+        self.on_evict = self.on_keyed = None
         if self._order is None:  # the free order: block ids in a FIFO
             self._queue = deque(range(num_blocks))
             self._stale: dict[int, int] = {}  # block -> entries left behind by revivals
@@ -82,13 +84,15 @@ class BlockPool:
             for block in taken:
                 ref_count[block] = 1
             return taken
-        evicted = 0
+        evicted, on_evict = 0, self.on_evict
         for block in taken:
             key = block_key[block]
             if key is not None:
                 evicted += 1
                 if cached.get(key) == block:
                     del cached[key]
+                    if on_evict is not None:
+                        on_evict(key)
                 block_key[block] = None
             ref_count[block] = 1
             hits[block] = 0
@@ -196,8 +200,13 @@ class BlockPool:
         first block with a key is the one a lookup finds."""
         block_key, created, cached, clock = self.block_key, self.created, self.cached, self.clock
         self.keyed = True
+        new_keys = [] if self.on_keyed is not None else None
         for block, key in zip(blocks, keys):
             if block_key[block] is None:  # a shared (forked) block is keyed once
                 block_key[block] = key
                 created[block] = clock
+                if new_keys is not None and key not in cached:
+                    new_keys.append(key)
                 cached.setdefault(key, block)
+        if new_keys:
+            self.on_keyed(new_keys)

@@ -63,6 +63,7 @@ class BatchShape:
     swap_tokens: KV tokens moved between GPU and CPU memory this step (swap preemption).
     copy_tokens: KV token slots copied on the GPU this step (copy-on-write of a shared block, or a
     contiguous cache's copy of a forked prompt).
+    kv_load_s: prefix blocks loaded from the KV tiers below HBM for this step's admissions.
     """
     num_prefill_tokens: int = 0
     num_prefill_seqs: int = 0
@@ -74,6 +75,8 @@ class BatchShape:
     num_sampled: int = 0
     swap_tokens: int = 0
     copy_tokens: int = 0
+    # Seconds of loads from KV tiers below HBM (sim.kvcache.tiers) for this step's admissions.
+    kv_load_s: float = 0.0
     # Models whose layer groups read different parts of the context: per group (decode keys,
     # prefill pairs against the cache, causal pairs, prefill KV tokens, indexer keys of decodes,
     # indexer pairs of prefills), summed over the batch (sim.kv_layout's reach).
@@ -97,8 +100,10 @@ class LatencyModel:
 
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
-                 expert_parallel: bool = False, async_output_processing: bool = True):
+                 expert_parallel: bool = False, async_output_processing: bool = True,
+                 overlap_kv_load: bool = True):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
+        self.overlap_kv_load = overlap_kv_load  # tier loads beside the GPU work (sim.kvcache.tiers)
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
         self.gemm_peak = profile.peak_flops(model.weight_dtype)
@@ -209,6 +214,9 @@ class LatencyModel:
             times["swap"] = self.swap_time(whole.swap_tokens)
         if whole.copy_tokens:
             times["kv_copy"] = self.kv_copy_time(whole.copy_tokens)
+        if whole.kv_load_s:  # loads overlapped with the GPU work cost only what exceeds it
+            times["kv_load"] = (max(0.0, whole.kv_load_s - sum(times.values())) if self.overlap_kv_load
+                                else whole.kv_load_s)
         gpu = sum(times.values())
         times["launch"] = parts * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
         times["cpu"] = parts * self.cpu_time(num_seqs)

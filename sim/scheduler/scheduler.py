@@ -106,6 +106,7 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
+        self._consume_load_s = getattr(allocator, "consume_load_s", None)  # KV tier loads (prefix allocator)
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
         if spec.attention_groups or not self.queue_order.preempts_newest:
             new_cohort = None  # per-group reach needs every sequence's context; any may be preempted
@@ -178,8 +179,9 @@ class Scheduler:
                 budget = self._admit(scheduled, budget)
         copied = getattr(self.allocator, "num_copied_tokens", 0)  # forks at the last commit, copy-on-write now
         copy_tokens, self._copied_tokens = copied - self._copied_tokens, copied
+        kv_load_s = self._consume_load_s() if self._consume_load_s is not None else 0.0
         shape = _shape(scheduled, self._swap_tokens, copy_tokens, len(cohort), cohort.context_tokens if cohort else 0,
-                       self.spec.attention_groups)
+                       self.spec.attention_groups, kv_load_s)
         return StepPlan(tuple(scheduled), shape, num_preempted, tuple(running[:len(cohort)]))
 
     def _step_cohort(self, budget: int):
@@ -391,7 +393,7 @@ class Scheduler:
 
 
 def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: int = 0,
-           cohort_context: int = 0, attention_groups: tuple = ()) -> BatchShape:
+           cohort_context: int = 0, attention_groups: tuple = (), kv_load_s: float = 0.0) -> BatchShape:
     """The batch of `scheduled` plus a decode cohort of cohort_seqs sequences whose contexts
     (new tokens included) sum to cohort_context; with attention_groups, what each group reads."""
     prefill_tokens = prefill_seqs = prefill_kv = 0
@@ -417,7 +419,7 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
             prefills.append((context, num_new))
     groups = _group_attention(decodes, prefills, attention_groups) if attention_groups else ()
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
-                      decode_context, sampled, swap_tokens, copy_tokens, groups)
+                      decode_context, sampled, swap_tokens, copy_tokens, kv_load_s, group_attention=groups)
 
 
 def _group_attention(decodes, prefills, groups) -> tuple[tuple[int, ...], ...]:
