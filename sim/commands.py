@@ -31,6 +31,11 @@ def profile_line(latency_profile: dict) -> str:
 
 def kv_pool_line(results) -> str:
     """Each replica's KV pool, in the token slots each allocator gets from it."""
+    pools = results[0].metrics.get("disaggregation")
+    if pools:
+        return "kv pool per replica: " + "; ".join(
+            f"{role} {pools[role]['kv_pool_bytes_per_replica'] / GiB:.1f} GiB, "
+            f"{pools[role]['kv_pool_token_slots_per_replica']:,} token slots" for role in ("prefill", "decode"))
     slots = ", ".join(f"{r.allocator} {r.metrics['kv_pool']['token_slots_per_replica']:,}" for r in results)
     line = (f"kv pool per replica: {results[0].metrics['kv_pool']['bytes_per_replica'] / GiB:.1f} GiB, "
             f"token slots: {slots}")
@@ -104,6 +109,9 @@ def capacity_task(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     check_keys_are_read(cfg, HydraConfig.get().runtime.choices, command="capacity")
     spec = CapacitySpec(**OmegaConf.to_container(cfg.capacity, resolve=True))
+    if cfg.disaggregation.enabled:
+        raise ConfigError("python -m sim capacity does not search disaggregated pools yet, key "
+                          "disaggregation.enabled, run it colocated or sweep rates with python -m sim run -m")
     setup = prepare(cfg)
     if not setup.spec.slo.targets:
         raise ConfigError("python -m sim capacity needs at least one SLO target, key slo.ttft_s, "
@@ -161,6 +169,9 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
     scenario = choices.get("scenario")
     allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
     for override, key in user_keys():
+        if key == "cluster.num_replicas" and cfg.disaggregation.enabled:
+            raise ConfigError(f"cluster.num_replicas is not read with disaggregation.enabled=true, override "
+                              f"'{override}', use disaggregation.prefill_replicas and disaggregation.decode_replicas")
         if key.startswith("capacity.") and command != "capacity":
             raise ConfigError(f"python -m sim {command} does not read {key}, override '{override}', "
                               f"use python -m sim capacity (or drop it)")

@@ -52,6 +52,20 @@ class KvOffloadConfig:
 
 
 @dataclass
+class DisaggregationConfig:
+    """`disaggregation.*`: a prefill pool and a decode pool (sim/disaggregation.py)."""
+    enabled: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    prefill_gpu: Optional[str] = None
+    prefill_tensor_parallel_size: Optional[int] = None
+    decode_gpu: Optional[str] = None
+    decode_tensor_parallel_size: Optional[int] = None
+    link_bandwidth_gb_per_s: float = 50.0
+    link_latency_s: float = 1e-4
+
+
+@dataclass
 class SloConfig:
     """Latency targets (null: none) and the percentile each must hold at."""
     ttft_s: Optional[float] = None
@@ -124,6 +138,7 @@ class RunConfig:
     slo: SloConfig = field(default_factory=SloConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     kv_offload: KvOffloadConfig = field(default_factory=KvOffloadConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     plots: bool = True
     quiet: bool = False
     progress: bool = True

@@ -92,9 +92,15 @@ def run_title(cfg, hydra_cfg=None) -> str:
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("quantization", cfg.get("quantization"), None)) if value != default)
+    replicas = f"cluster.num_replicas={cfg.cluster.num_replicas}"
+    pd = cfg.get("disaggregation")
+    if pd is not None and pd.enabled:
+        replicas = " + ".join(f"{pd[f'{role}_replicas']} {role} ({pd[f'{role}_gpu'] or cfg.gpu} "
+                              f"TP {pd[f'{role}_tensor_parallel_size'] or cfg.tensor_parallel_size})"
+                              for role in ("prefill", "decode"))
     title = (f"scenario={scenario} model={cfg.model.name} gpu={cfg.gpu} "
              f"tensor_parallel_size={cfg.tensor_parallel_size}{extra} "
-             f"cluster.num_replicas={cfg.cluster.num_replicas} seed={cfg.seed}")
+             f"{replicas} seed={cfg.seed}")
     if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
         swept = " ".join(o for o in hydra_cfg.overrides.task if not o.startswith("hydra"))
         title += f" | job {hydra_cfg.job.num}: {swept}"

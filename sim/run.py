@@ -254,46 +254,14 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     # A router that reads the KV pools needs them current at every arrival: no decode stretches
     # (their steps' memory is applied when they end).
     step_exact = spec.step_exact or router.reads_kv_state
-    gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
-    swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
-    scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
-                                   spec.enable_chunked_prefill, spec.max_model_len,
-                                   spec.preemption_mode, swap_tokens,
-                                   spec.scheduler_reserve_full_isl, spec.watermark,
-                                   setup.model.attention_groups)
-    allocator_cfg = setup.allocator_configs[allocator_name]
-    first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
-    allocators = []
-    for index in range(spec.num_replicas):
-        allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
-                                 pool=setup.pool, max_model_len=spec.max_model_len)
-        allocators.append(allocator)
-        scheduler = Scheduler(scheduler_spec, allocator, queue_order)
-        recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
-        cluster.add_replica(Replica(env, index, scheduler, setup.latency, recorder,
-                                    cluster.on_finish, step_exact))
+    allocators = add_replicas(setup, env, recorder, cluster, allocator_name, queue_order, step_exact,
+                              workload, cluster.on_finish)
     chains = attach_tiers(setup, allocators)
     cluster.start(workload)
     if on_progress is not None:
         cluster.on_progress = on_progress
     env.run()
-    wall_time_s = time.perf_counter() - started
-    requests, timeline = recorder.tables()
-    counts = {"truncated_prompt": workload.num_truncated_prompts,
-              "skipped_malformed_records": workload.num_skipped_records,
-              "failed_in_trace": workload.num_failed_requests}
-    metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
-                        gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
-                        operator_sources=setup.latency.profile.provenance(),
-                        warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
-                        itl_samples=recorder.itl_samples(),
-                        num_workload_requests=workload.num_requests, workload_counts=counts,
-                        last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
-                                                   default=0.0),
-                        max_model_len=spec.max_model_len, slo=spec.slo,
-                        workload_facts={"num_skipped_records": workload.num_skipped_records,
-                                        "num_failed_requests": workload.num_failed_requests,
-                                        "trace_format": workload.trace_format})
+    metrics, requests, timeline = summarize_run(setup, workload, recorder, time.perf_counter() - started)
     # Token slots: the allocator's (contiguous: the pool's bytes over a token's; paged: blocks x
     # block size); a hybrid layout's pages hold different kinds: its smallest page's tokens.
     slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
@@ -311,7 +279,53 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
             "mean_held_s_per_held_request": (cluster.held_time_s / cluster.num_held_requests
                                              if cluster.num_held_requests else 0.0)}
     return RunResult(allocator_name, metrics, requests, timeline,
-                     OmegaConf.to_container(allocator_cfg, resolve=True))
+                     OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True))
+
+
+def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queue_order, step_exact: bool,
+                 workload: Workload, on_finish, first_index: int = 0, replica_class=Replica) -> list:
+    """setup.spec.num_replicas replicas (indices from first_index) into the cluster; their allocators."""
+    spec = setup.spec
+    gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
+    scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
+                                   spec.enable_chunked_prefill, spec.max_model_len,
+                                   spec.preemption_mode, swap_tokens,
+                                   spec.scheduler_reserve_full_isl, spec.watermark,
+                                   setup.model.attention_groups)
+    allocator_cfg = setup.allocator_configs[allocator_name]
+    first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
+    allocators = []
+    for index in range(first_index, first_index + spec.num_replicas):
+        allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
+                                 pool=setup.pool, max_model_len=spec.max_model_len)
+        allocators.append(allocator)
+        scheduler = Scheduler(scheduler_spec, allocator, queue_order)
+        recorder.append_step(StepRecord(index, first_arrival, scheduler.usage(), 0, 0, 0, 0))
+        cluster.add_replica(replica_class(env, index, scheduler, setup.latency, recorder, on_finish, step_exact))
+    return allocators
+
+
+def summarize_run(setup: Setup, workload: Workload, recorder: Recorder, wall_time_s: float):
+    """metrics.json's summary of a finished simulation, and its request and timeline tables."""
+    spec = setup.spec
+    requests, timeline = recorder.tables()
+    counts = {"truncated_prompt": workload.num_truncated_prompts,
+              "skipped_malformed_records": workload.num_skipped_records,
+              "failed_in_trace": workload.num_failed_requests}
+    metrics = summarize(requests, timeline, wall_time_s=wall_time_s,
+                        gpu=setup.latency.profile.name, profile_source=setup.latency.profile.source,
+                        operator_sources=setup.latency.profile.provenance(),
+                        warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
+                        itl_samples=recorder.itl_samples(),
+                        num_workload_requests=workload.num_requests, workload_counts=counts,
+                        last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
+                                                   default=0.0),
+                        max_model_len=spec.max_model_len, slo=spec.slo,
+                        workload_facts={"num_skipped_records": workload.num_skipped_records,
+                                        "num_failed_requests": workload.num_failed_requests,
+                                        "trace_format": workload.trace_format})
+    return metrics, requests, timeline
 
 
 def tier_facts(chains: list, pool: KvPool, load_wait_s: float) -> dict:
@@ -354,6 +368,9 @@ def hybrid_kv_facts(layout, allocators) -> dict:
 
 
 def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
+    if cfg.disaggregation.enabled:
+        from sim.disaggregation import run_disaggregated
+        return run_disaggregated(cfg, show_progress)
     setup = prepare(cfg)
     workload = build_workload(cfg, setup.spec.seed)
     if setup.spec.on_overlength == "truncate":

@@ -80,9 +80,7 @@ def sweep_table(sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
             status.setdefault("status", "unfinished")
         head = {"job": job.name, **_overrides(job), "status": status["status"],
                 "reason": status.get("reason", ""), "job_wall_time_s": status.get("wall_time_s", math.nan)}
-        for position, (key, value) in enumerate(head.items()):
-            frame.insert(position, key, value)
-        frames.append(frame)
+        frames.append(pd.concat([pd.DataFrame([head] * len(frame)), frame.reset_index(drop=True)], axis=1))
     if not frames:
         return pd.DataFrame(columns=["job", "status", "reason", "job_wall_time_s", "allocator"]), []
     table = pd.concat(frames, ignore_index=True)

@@ -36,6 +36,7 @@ class Replica:
         self._stretch_open = False                      # whether the queue was empty (a submit cuts)
         self._stretch_submits: list[float] = []         # when requests queued behind a blocked head
         self.kv_load_wait_s = 0.0  # step time spent on KV tier loads (sim.kvcache.tiers)
+        self.step_started_s = 0.0  # when the step (or stretch) in progress began
         self.process = env.process(self._loop())
 
     def submit(self, seq: Sequence) -> None:
@@ -70,6 +71,7 @@ class Replica:
                     raise RuntimeError(f"replica {self.index} cannot schedule its waiting queue")
                 continue
             num_empty_plans = 0
+            self.step_started_s = env.now
             steps = 1 if self.step_exact else scheduler.decode_stretch(plan)
             if steps > 1:
                 plan = yield from self._decode_stretch(plan, steps)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sim.kv_layout import decode_reach, indexer_keys, indexer_pairs, prefill_reach
-from sim.kvcache.base import NO_HIT
+from sim.kvcache.base import NO_HIT, PrefixHit
 from sim.latency.model import BatchShape
 from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
 from sim.scheduler.queue_order import Fcfs
@@ -232,7 +232,8 @@ class Scheduler:
                 self.admission_blocked_by = BLOCKED_BY_BUDGET
                 break
             seq = waiting[0]
-            hit = allocator.lookup_prefix(seq)
+            # KV received from a prefill replica counts as computed, without blocks yet.
+            hit = PrefixHit(seq.transferred_tokens) if seq.transferred_tokens else allocator.lookup_prefix(seq)
             num_new = seq.num_tokens - hit.num_tokens
             if num_new > budget:
                 if not self.spec.enable_chunked_prefill:
@@ -248,7 +249,7 @@ class Scheduler:
                 self.admission_blocked_by = BLOCKED_BY_MEMORY
                 break
             waiting.popleft()
-            seq.num_computed = hit.num_tokens
+            seq.num_computed, seq.transferred_tokens = hit.num_tokens, 0
             if not seq.admitted:
                 seq.admitted = True
                 seq.prefix_hit_tokens = hit.num_tokens

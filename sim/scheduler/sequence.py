@@ -17,7 +17,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "arrival_time_s", "num_tokens", "num_computed",
                  "num_output", "final_len", "first_token_time_s", "last_token_time_s", "finish_time_s",
                  "num_preemptions", "prefix_hit_tokens", "admitted", "replica", "sample_index",
-                 "num_swapped_tokens")
+                 "num_swapped_tokens", "transferred_tokens", "first_scheduled_s", "decode_twin")
 
     def __init__(self, request: Request, arrival_time_s: float, max_model_len: int,
                  seq_id: int | None = None, sample_index: int = 0):
@@ -37,6 +37,12 @@ class Sequence:
         self.replica = -1
         self.sample_index = sample_index
         self.num_swapped_tokens = 0  # KV tokens held in CPU memory while swapped out
+        # Disaggregation (sim.engine.disaggregated): prompt KV received from a prefill replica
+        # (admitted as computed, once), when the prefill side first scheduled it, and the decode
+        # side's sequence a prefill sequence hands its KV to.
+        self.transferred_tokens = 0
+        self.first_scheduled_s = math.nan
+        self.decode_twin = None
 
     def sibling(self, seq_id: int, sample_index: int) -> "Sequence":
         """Another sample of the same request, at the same point (its prompt computed)."""
