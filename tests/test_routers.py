@@ -184,3 +184,37 @@ def test_with_room_for_every_prefix_cache_aware_routing_nears_the_traces_ideal_h
     aware = hit_rate(["router=prefix_aware", "router.index=approximate"])
     assert blind < 0.6 * ideal
     assert 0.95 * ideal <= aware <= ideal
+
+
+def test_a_stale_cache_view_follows_the_kv_events_staleness_late():
+    from sim.kvcache.block import BlockAllocator
+    from sim.kvcache.contiguous import ContiguousAllocator
+    from sim.kvcache.radix import RadixAllocator
+    from sim.router.view import DelayedCacheIndex
+    from sim.scheduler import Sequence
+    clock, alloc = Clock(), BlockAllocator(4, 4, enable_caching=True)
+    index = DelayedCacheIndex(alloc, clock, staleness_s=1.0)
+    first = Sequence(request(1, [(7, 13)]), 0.0, 64)
+    alloc.allocate(first, 13)                                    # t = 0: 3 full blocks keyed
+    alloc.free(first)
+    probe = request(2, [(7, 13)])
+    clock.now = 0.5
+    assert index.cached_prefix_tokens(probe) == 0                # not reported yet
+    clock.now = 1.0
+    assert index.cached_prefix_tokens(probe) == 12
+    clock.now = 2.0
+    alloc.allocate(Sequence(request(3, [(8, 16)]), 0.0, 64), 16)  # evicts all three
+    clock.now = 2.5
+    assert index.cached_prefix_tokens(probe) == 12 and alloc.cached_prefix_tokens(probe) == 0
+    clock.now = 3.0
+    assert index.cached_prefix_tokens(probe) == 0
+    with pytest.raises(ConfigError, match="router_staleness_s"):
+        DelayedCacheIndex(RadixAllocator(16, 4), clock, 1.0)
+    assert DelayedCacheIndex(ContiguousAllocator(64, 64), clock, 1.0).cached_prefix_tokens(probe) == 0
+
+
+def test_a_router_reading_stale_kv_events_finds_fewer_prefixes_than_a_live_one():
+    from tests.test_tiers import mooncake_sample
+    rates = [run_all(mooncake_sample("router=prefix_aware", f"cluster.router_staleness_s={s}"))[0]
+             .metrics["prefix_cache"]["hit_rate"] for s in (0, 60)]
+    assert rates[1] < rates[0]

@@ -33,8 +33,11 @@ class Cluster:
 
     def add_replica(self, replica) -> None:
         self.replicas.append(replica)
-        self._views.append(StaleReplicaView(replica, self.env, self.router_staleness_s)
-                           if self.router_staleness_s else ReplicaView(replica))
+        if self.router_staleness_s:
+            reads_cache = getattr(getattr(self.router, "index", None), "precise", False)
+            self._views.append(StaleReplicaView(replica, self.env, self.router_staleness_s, reads_cache))
+        else:
+            self._views.append(ReplicaView(replica))
 
     def start(self, workload: Workload) -> None:
         sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id, s.chain))

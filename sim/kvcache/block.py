@@ -112,8 +112,7 @@ class BlockAllocator:
         """KV tiers below HBM (sim.kvcache.tiers.TierChain): blocks HBM evicts or keys go
         there, and lookups continue there."""
         self.tiers = tiers
-        self.pool.on_evict = tiers.evicted
-        self.pool.on_keyed = tiers.computed if tiers.writes_through else None
+        self.pool.observe(evicted=tiers.evicted, keyed=tiers.computed if tiers.writes_through else None)
 
     def consume_load_s(self) -> float:
         """Seconds of tier loads for the admissions since the last call (one step's)."""

@@ -59,6 +59,12 @@ class BlockPool:
             start = self._order(BlockStats(False, 0, 0, 0))
             self._queue = [(*start, block, block) for block in range(num_blocks)]  # a heap already
 
+    def observe(self, evicted=None, keyed=None) -> None:
+        """Also call evicted(key) for each key the pool drops and keyed(keys) for each batch of
+        new keys (KV tiers, a router's delayed view), after any observers already set."""
+        self.on_evict = _chained(self.on_evict, evicted)
+        self.on_keyed = _chained(self.on_keyed, keyed)
+
     def free_blocks(self) -> list[int]:
         """The free blocks in the order they would be taken."""
         if self._order is None:
@@ -210,3 +216,13 @@ class BlockPool:
                 cached.setdefault(key, block)
         if new_keys:
             self.on_keyed(new_keys)
+
+
+def _chained(first, second):
+    if first is None or second is None:
+        return first or second
+
+    def both(value):
+        first(value)
+        second(value)
+    return both
