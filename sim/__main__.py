@@ -16,7 +16,8 @@ def _commands():
     from sim import commands
     groups = {"scenario": "scenario=NAME", "model": "model=NAME", "gpu": "gpu=NAME, a profile",
               "allocator": "allocators=[NAME,...], one run each", "scheduler": "scheduler=NAME",
-              "router": "router=NAME", "queue_order": "queue_order=NAME", "experiment": "+experiment=NAME"}
+              "router": "router=NAME", "queue_order": "queue_order=NAME", "experiment": "+experiment=NAME",
+              "sweep": "+sweep=NAME with -m (rebuilds docs/figures/NAME)"}
     return {
         "run": Command("run", lambda: commands.run_task,
                        "Simulate a scenario once per allocator; print the comparison, write results and plots.",

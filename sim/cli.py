@@ -240,7 +240,7 @@ def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
                 if exc.code not in (0, None) or staging.sweep_dir is None:
                     raise
             if staging.sweep_dir is not None:
-                finish_sweep(staging.sweep_dir)
+                finish_sweep(staging.sweep_dir, staging.figures)
     except KvsimError as exc:
         fail(str(exc))
     except KeyboardInterrupt:

@@ -191,7 +191,7 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
 
 READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}
 # Nodes whose keys are free-form (checked where they are used) or groups added with +NAME=...
-OPEN_NODES = {"allocator_options", "scenario", "model", "sharing", "kv_axes", "experiment", "hydra"}
+OPEN_NODES = {"allocator_options", "scenario", "model", "sharing", "kv_axes", "experiment", "sweep", "hydra"}
 TRACE_STATS_KEYS = {"scenario", "trace", "block_size", "seed", "format", "model"}
 
 

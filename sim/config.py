@@ -41,6 +41,7 @@ class KvOffloadConfig:
     cpu_gib: float = 0.0
     disk_gib: float = 0.0
     shared_gib: float = 0.0
+    pool_cpu: bool = False
     local_write_through: bool = False
     shared_write_through: bool = True
     overlap_load: bool = True
@@ -144,6 +145,8 @@ class RunConfig:
     progress: bool = True
     step_exact: bool = False
     resume: bool = False
+    figures_dir: Optional[str] = None
+    figures: List[str] = field(default_factory=list)
     enforce_eager: bool = False
     cudagraph_capture_sizes: Optional[List[int]] = None
     quantization: Optional[str] = None

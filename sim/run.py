@@ -67,7 +67,8 @@ def attach_tiers(setup: Setup, allocators: list) -> list[TierChain]:
     if not spec.enabled:
         return []
     block_bytes = pool.bytes_per_token * pool.block_size
-    shared = Tier("shared", int(spec.shared_gib * 2**30 // block_bytes), spec.eviction) if spec.shared_gib else None
+    shared_gib = spec.shared_store_gib(setup.spec.num_replicas)
+    shared = Tier("shared", int(shared_gib * 2**30 // block_bytes), spec.eviction) if shared_gib else None
     ranks = setup.spec.tensor_parallel_size * setup.spec.pipeline_parallel_size
     chains = []
     for allocator in allocators:

@@ -67,10 +67,11 @@ def _quoted(path: Path) -> str:
 
 class Staging:
     def __init__(self, overrides=(), final: Path | None = None, staging: Path | None = None,
-                 sweep_dir: Path | None = None, created_root: Path | None = None):
+                 sweep_dir: Path | None = None, created_root: Path | None = None, figures=None):
         self.overrides = list(overrides)
         self.final, self.staging, self.sweep_dir = final, staging, sweep_dir
         self.created_root = created_root
+        self.figures = figures  # a named sweep's (figures_dir, metrics) for finish_sweep
         # What a sweep folder already held: never touched when cleaning up after a failure.
         self.preexisting = set(sweep_dir.iterdir()) if sweep_dir is not None and sweep_dir.is_dir() else set()
 
@@ -79,13 +80,16 @@ class Staging:
         hydra_cfg = composed.get("hydra") if composed is not None else None
         if hydra_cfg is None or hydra_cfg.output_subdir is None or NO_OUTPUT_FLAGS & set(argv):
             return cls()  # a verb that writes where it is told (calibration), or prints only
-        if "-m" in argv or "--multirun" in argv:
+        multirun = "-m" in argv or "--multirun" in argv
+        figures = sweep_figures(composed, multirun)
+        if multirun:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
             created_root = first_missing(sweep)
             params = hydra_cfg.get("sweeper", {}).get("params") or {}
             jobs = num_sweep_jobs(overrides, dict(params))
-            planned = cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root)
+            planned = cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root,
+                          figures=figures)
             _make_folder(sweep, "hydra.sweep.dir")
             os.environ[SWEEP_JOBS_ENV] = str(jobs)
             return planned
@@ -208,9 +212,29 @@ def mark_infeasible_job(reason: str) -> bool:
     return True
 
 
-def finish_sweep(sweep_dir: Path) -> None:
-    """Write the sweep's summary.parquet; a sweep in which no job ran is an error."""
-    from sim.sweep import sweep_table, write_summary
+def sweep_figures(composed, multirun: bool) -> tuple[Path, list[str]] | None:
+    """figures_dir and figures (a named sweep's, scenarios/sweep/), checked before any job runs."""
+    from sim.sweep import FIGURE_METRICS
+    folder, metrics = composed.get("figures_dir"), list(composed.get("figures") or [])
+    if folder is None:
+        return None
+    if not multirun:
+        raise KvsimError(f"figures_dir={folder} publishes a sweep's figures, key figures_dir, "
+                         f"run with -m (or drop figures_dir)")
+    known = list(FIGURE_METRICS)
+    unknown = [m for m in metrics if m not in known]
+    if unknown:
+        raise KvsimError(f"unknown figure metric '{unknown[0]}', key figures, use some of: {', '.join(known)}")
+    target = Path(folder).absolute()
+    if target.exists() and not target.is_dir():
+        raise KvsimError(f"{target} is a file, key figures_dir, name a folder")
+    return target, metrics
+
+
+def finish_sweep(sweep_dir: Path, figures: tuple[Path, list[str]] | None = None) -> None:
+    """Write the sweep's summary.parquet (and, for a named sweep, its report and figures into
+    figures_dir); a sweep in which no job ran is an error."""
+    from sim.sweep import publish_figures, sweep_table, write_summary
     table, _ = sweep_table(sweep_dir)
     statuses = table.groupby("job").status.first()
     if not (statuses == "ok").any():
@@ -222,6 +246,9 @@ def finish_sweep(sweep_dir: Path) -> None:
     infeasible = int((statuses == "infeasible").sum())
     print(f"sweep: {int((statuses == 'ok').sum())} jobs ran, {infeasible} infeasible; "
           f"summary: {sweep_dir / 'summary.parquet'}", file=sys.stderr)
+    if figures is not None:
+        published = publish_figures(sweep_dir, *figures)
+        print(f"figures: {len(published)} in {figures[0]}", file=sys.stderr)
 
 
 def sweep_job_overrides() -> list[str]:

@@ -15,6 +15,7 @@ import base64
 import html
 import json
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -31,6 +32,12 @@ HEADLINE = [("throughput.output_tokens_per_s", "output tokens / s"),
             ("kv.waste_of_used", "waste / used"),
             ("slo.goodput_requests_per_s", "goodput (req/s)"),
             ("scheduler.num_preemptions", "preemptions")]
+# What a named sweep may publish (`figures`): the headline metrics, every latency percentile and
+# the load balance between replicas.
+FIGURE_METRICS = dict(HEADLINE) | {f"latency_s.{name}.{stat}": f"{name.upper()} {stat} (s)"
+                                   for name in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "p50", "p90", "p99")} | {
+    "routing.busiest_over_mean_prefilled_tokens": "busiest replica / mean, prefilled tokens",
+    "routing.busiest_over_mean_finished_requests": "busiest replica / mean, finished requests"}
 
 
 def write_job_status(job_dir: Path, status: str, reason: str | None = None, wall_time_s: float | None = None,
@@ -102,9 +109,9 @@ def write_summary(sweep_dir: Path) -> Path:
     return path
 
 
-def report_sweep(sweep_dir: Path) -> list[Path]:
-    """sweep_summary.csv (every column), summary.parquet, a figure per headline metric and
-    index.html, all in the sweep folder."""
+def report_sweep(sweep_dir: Path, metrics: list[str] = ()) -> list[Path]:
+    """sweep_summary.csv (every column), summary.parquet, a figure per headline metric (and per
+    metric of FIGURE_METRICS asked for) and index.html, all in the sweep folder."""
     from sim.report import _pyplot, _save
     table, swept = sweep_table(sweep_dir)
     written = [sweep_dir / "sweep_summary.csv", write_summary(sweep_dir)]
@@ -113,7 +120,7 @@ def report_sweep(sweep_dir: Path) -> list[Path]:
     figures = []
     if swept and len(ran):
         plt = _pyplot()
-        for column, label in HEADLINE:
+        for column, label in [*HEADLINE, *((m, FIGURE_METRICS[m]) for m in metrics if m not in dict(HEADLINE))]:
             if column in ran and ran[column].notna().any():
                 path = sweep_dir / f"sweep_{column.replace('.', '_')}.png"
                 fig = _facets(plt, ran, swept, column, label)
@@ -126,21 +133,41 @@ def report_sweep(sweep_dir: Path) -> list[Path]:
     return written
 
 
+def publish_figures(sweep_dir: Path, figures_dir: Path, metrics: list[str]) -> list[Path]:
+    """A named sweep's figures (scenarios/sweep/): the sweep's report, then its PNGs of the
+    given headline metrics (all when none are given) copied into figures_dir, replacing them."""
+    import shutil
+    drawn = {path.name: path for path in report_sweep(sweep_dir, metrics) if path.suffix == ".png"}
+    wanted = [f"sweep_{m.replace('.', '_')}.png" for m in metrics or [name for name, _ in HEADLINE]]
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    published = []
+    for name in wanted:
+        if name in drawn:
+            target = figures_dir / name
+            _atomic(target, lambda tmp, source=drawn[name]: shutil.copyfile(source, tmp))
+            published.append(target)
+        else:
+            print(f"figure {name} not drawn (no job reported that metric), not published", file=sys.stderr)
+    return published
+
+
 def _facets(plt, ran: pd.DataFrame, swept: list[str], column: str, label: str):
     """The metric against swept[0], a line per allocator, a panel per value of the other keys."""
     x_key, others = swept[0], swept[1:]
     panels = list(ran.groupby(others, sort=True)) if others else [((), ran)]
     columns = min(len(panels), 4)
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False, sharey=True)
     numeric = pd.api.types.is_numeric_dtype(ran[x_key])
-    order = sorted(ran[x_key].unique(), key=lambda v: (not numeric, v if numeric else str(v)))
+    # numbers ascending, joined by lines; words in the sweep's order, as points
+    order = sorted(ran[x_key].unique()) if numeric else list(dict.fromkeys(ran[x_key]))
     for ax, (values, rows_of_panel) in zip(axes.flat, panels):
         for allocator, lines in rows_of_panel.groupby("allocator", sort=False):
             lines = lines.set_index(x_key)[column]
             xs = [v for v in order if v in lines.index]
             positions = xs if numeric else [order.index(v) for v in xs]
-            ax.plot(positions, [lines[v] for v in xs], marker="o", label=str(allocator))
+            ax.plot(positions, [lines[v] for v in xs], marker="o", linestyle="-" if numeric else "none",
+                    label=str(allocator))
         if not numeric:
             ax.set_xticks(range(len(order)), [str(v) for v in order], rotation=30, fontsize=7)
         ax.set_xlabel(x_key)

@@ -80,3 +80,35 @@ def test_a_sweep_on_a_local_ray_cluster(tmp_path):
 
 def test_a_sweep_through_submitit_as_on_slurm(tmp_path):
     launcher_sweep(tmp_path, "hydra/launcher=submitit_local")
+
+
+def test_a_sweep_with_figures_dir_publishes_the_figures_it_names(tmp_path):
+    out = sim(tmp_path, *SWEEP, "block_size=8,32", "hydra.sweep.dir=sweep", "figures_dir=docs/figs",
+              "figures=[latency_s.ttft.p50,kv.waste_of_used]")
+    assert out.returncode == 0, out.stderr
+    published = sorted(p.name for p in (tmp_path / "docs" / "figs").iterdir())
+    assert published == ["sweep_kv_waste_of_used.png", "sweep_latency_s_ttft_p50.png"]
+    assert (tmp_path / "sweep" / "index.html").is_file() and "figures: 2 in" in out.stderr
+    assert_one_line_error(sim(tmp_path, *SWEEP, "block_size=8,32", "figures_dir=f", "figures=[ttft]",
+                              "hydra.sweep.dir=other"), "unknown figure metric 'ttft'")
+    assert_one_line_error(sim(tmp_path, "run", *SMALL, "figures_dir=f"), "run with -m")
+    assert not (tmp_path / "other").exists() and not (tmp_path / "f").exists()
+
+
+def test_every_figure_in_the_docs_is_rebuilt_by_a_named_sweep():
+    """docs/figures.md shows docs/figures/NAME/*.png; scenarios/sweep/NAME.yaml draws each."""
+    import re
+    from pathlib import Path
+
+    from sim.staging import sweep_figures
+    from tests.conftest import compose_config
+    root = Path(__file__).resolve().parents[1]
+    shown = set(re.findall(r"\(figures/([\w-]+/[\w.-]+\.png)\)", (root / "docs" / "figures.md").read_text()))
+    rebuilt = set()
+    for path in sorted((root / "scenarios" / "sweep").glob("*.yaml")):
+        cfg = compose_config("run", [f"+sweep={path.stem}"])
+        folder, metrics = sweep_figures(cfg, multirun=True)
+        assert folder == (Path.cwd() / "docs" / "figures" / path.stem) and metrics
+        rebuilt |= {f"{path.stem}/sweep_{m.replace('.', '_')}.png" for m in metrics}
+    assert shown and shown <= rebuilt
+    assert {str(p.relative_to(root / "docs" / "figures")) for p in (root / "docs" / "figures").rglob("*.png")} == rebuilt

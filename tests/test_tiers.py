@@ -124,11 +124,25 @@ def test_an_unlimited_shared_store_reaches_the_traces_ideal_hit_ratio_whatever_t
     from sim.workload.stats import trace_stats
     from sim.workload.trace import TraceSpec
     ideal = trace_stats(TraceSpec(path="sample:mooncake"), 0)["ideal_prefix_hit_rate"]
-    cfg = compose_config("run", ["scenario=trace", "trace.path=sample:mooncake", "model=llama31_8b",
-                                 "tensor_parallel_size=1", "allocators=[prefix]", "cluster.num_replicas=4",
-                                 "gpu=h200", "kv_cache_memory_bytes=20000000000", "plots=false",
-                                 "kv_offload.shared_gib=100000", f"router={router}"])
+    cfg = mooncake_sample("kv_offload.shared_gib=100000", f"router={router}")
     assert run_all(cfg)[0].metrics["prefix_cache"]["hit_rate"] == pytest.approx(ideal, abs=1e-3)
+
+
+def mooncake_sample(*overrides):
+    return compose_config("run", ["scenario=trace", "trace.path=sample:mooncake", "model=llama31_8b",
+                                  "tensor_parallel_size=1", "allocators=[prefix]", "cluster.num_replicas=4",
+                                  "gpu=h200", "kv_cache_memory_bytes=20000000000", "plots=false", *overrides])
+
+
+def test_pooling_the_cpu_tiers_is_one_switch_to_a_shared_store_of_their_total():
+    pooled = run_all(mooncake_sample("kv_offload.cpu_gib=50", "kv_offload.pool_cpu=true"))[0].metrics
+    shared = run_all(mooncake_sample("kv_offload.shared_gib=200"))[0].metrics
+    local = run_all(mooncake_sample("kv_offload.cpu_gib=50"))[0].metrics
+    assert "cpu" not in pooled["kv_tiers"] and pooled["kv_tiers"]["shared"] == shared["kv_tiers"]["shared"]
+    assert pooled["prefix_cache"] == shared["prefix_cache"]
+    # A cache-blind router spreads a prefix over replicas: one pooled store finds what a
+    # replica's own tier never held (Mooncake's case for a shared store).
+    assert pooled["prefix_cache"]["hit_rate"] > local["prefix_cache"]["hit_rate"]
 
 
 def multiturn(clients=40, rounds=8, user_tokens=2000):

@@ -34,6 +34,7 @@ class OffloadSpec:
     cpu_gib: float = 0.0                  # per replica
     disk_gib: float = 0.0                 # per replica
     shared_gib: float = 0.0               # the whole cluster
+    pool_cpu: bool = False                # the replicas' CPU tiers pooled into the shared store
     local_write_through: bool = False     # CPU and disk: written when computed (else on eviction)
     shared_write_through: bool = True     # as Mooncake Store and LMCache write
     overlap_load: bool = True             # loads beside the step's GPU work (vLLM's KV connector)
@@ -58,6 +59,11 @@ class OffloadSpec:
     @property
     def enabled(self) -> bool:
         return bool(self.cpu_gib or self.disk_gib or self.shared_gib)
+
+    def shared_store_gib(self, num_replicas: int) -> float:
+        """The shared store's size: shared_gib, plus every replica's CPU tier when pool_cpu
+        (Mooncake Store pools its nodes' DRAM into one store)."""
+        return self.shared_gib + (self.cpu_gib * num_replicas if self.pool_cpu else 0.0)
 
 
 class Tier:
@@ -97,8 +103,9 @@ class TierChain:
 
     def __init__(self, spec: OffloadSpec, block_bytes: float, ranks: int, host_load_s, shared: Tier | None):
         self.spec = spec
+        local_cpu_gib = 0.0 if spec.pool_cpu else spec.cpu_gib  # pooled: part of the shared store
         self.local: list[Tier] = [Tier(name, int(gib * GiB // block_bytes), spec.eviction)
-                                  for name, gib in (("cpu", spec.cpu_gib), ("disk", spec.disk_gib)) if gib]
+                                  for name, gib in (("cpu", local_cpu_gib), ("disk", spec.disk_gib)) if gib]
         self.shared = shared
         self.block_bytes, self.block_bytes_per_rank = block_bytes, block_bytes / ranks
         self._host_load_s = host_load_s  # blocks -> seconds over the host link (calibrated)
