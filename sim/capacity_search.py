@@ -3,7 +3,8 @@
 search=rate scales the workload's arrivals (every session's arrival time, relative to the first,
 divided by the scale; think times and lengths unchanged) and bisects the scale: from the
 workload as given it doubles (or halves) until the SLOs flip, then bisects until the bracket is
-within `tolerance`. The rate reported is the offered request rate at that scale: the workload's
+within `tolerance`. measure.warmup_s is compressed with the arrivals (the same share of the
+arrival span is left out at every rate). The rate reported is the offered request rate at that scale: the workload's
 requests over its sessions' arrival span. search=replicas keeps the workload's rate and finds the
 fewest replicas (doubling, then bisecting). Either assumes that the SLOs hold below some rate (or
 above some replica count) and fail beyond it; each step is one simulation, printed as it ends.
@@ -59,6 +60,7 @@ def offered_rate_rps(workload: Workload) -> float:
 def step_row(allocator: str, step: int, setting: dict, metrics: dict) -> dict:
     slo = metrics["slo"]
     row = {"allocator": allocator, "step": step, **setting, "met": slo["all_met"],
+           "num_measured_requests": slo["num_measured_requests"],
            "goodput_requests_per_s": slo["goodput_requests_per_s"],
            "attained_all_share_of_measured_requests": slo["attained_all_share_of_measured_requests"]}
     for name in TARGETS:
@@ -78,7 +80,8 @@ def describe(row: dict) -> str:
             parts.append(f"{name} {key.split('_')[1]} {shown} (target {row[f'{name}_target_s']:g} s)")
     where = (f"rate {row['rate_rps']:.3f} req/s (x{row['scale']:.4g})" if "rate_rps" in row
              else f"{row['num_replicas']} replicas")
-    return f"{row['allocator']} step {row['step']}: {where}: {', '.join(parts)}: {'met' if row['met'] else 'missed'}"
+    return (f"{row['allocator']} step {row['step']}: {where}: {', '.join(parts)} over "
+            f"{row['num_measured_requests']} requests: {'met' if row['met'] else 'missed'}")
 
 
 def search_rate(setup: Setup, workload: Workload, allocator: str, spec: CapacitySpec, run, say) -> tuple[dict, list]:
@@ -86,7 +89,8 @@ def search_rate(setup: Setup, workload: Workload, allocator: str, spec: Capacity
     rows = []
 
     def meets(scale: float) -> bool:
-        metrics = run(scale_arrivals(workload, scale), setup)
+        scaled_setup = dataclasses.replace(setup, spec=dataclasses.replace(setup.spec, warmup_s=setup.spec.warmup_s / scale))
+        metrics = run(scale_arrivals(workload, scale), scaled_setup)
         rows.append(step_row(allocator, len(rows) + 1, {"scale": scale, "rate_rps": base_rate * scale}, metrics))
         say(describe(rows[-1]))
         return rows[-1]["met"]

@@ -151,7 +151,8 @@ def _guilty(config_name: str, overrides: list[str]) -> str | None:
     """The first override that fails with the command line's group choices alone (a key of
     scenario=bench is only valid with it), to name it in the error line."""
     choices = _group_choices(overrides)
-    for override in overrides:
+    # A group choice that fails on its own is to blame before any key that needs it.
+    for override in [*choices, *(o for o in overrides if o not in choices)]:
         GlobalHydra.instance().clear()
         try:
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
@@ -223,6 +224,9 @@ def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
         print(command_help(program, command, config_name, description, groups, shared_keys))
         raise SystemExit(0)
     overrides = split_flags(rest)
+    flags = [a for a in rest if a in ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")]
+    if flags and ("-m" in rest or "--multirun" in rest):
+        fail(f"-m runs a sweep and {flags[0]} only prints, command line, drop one of them")
     composed = validate(config_name, overrides, register=register)
     try:
         staging = Staging.plan(composed, rest, overrides)
@@ -240,7 +244,7 @@ def dispatch(argv: list[str], commands: dict[str, Command], usage: str,
                 if exc.code not in (0, None) or staging.sweep_dir is None:
                     raise
             if staging.sweep_dir is not None:
-                finish_sweep(staging.sweep_dir, staging.figures)
+                finish_sweep(staging.sweep_dir, staging.figures, staging.num_jobs)
     except KvsimError as exc:
         fail(str(exc))
     except KeyboardInterrupt:

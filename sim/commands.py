@@ -88,7 +88,10 @@ def run_task(cfg: DictConfig) -> None:
         print(format_table(comparison))
         print(format_serving(comparison))
         print(kv_pool_line(results))
-        print(profile_line(results[0].metrics["latency_profile"]))
+        pools = results[0].metrics.get("disaggregation")
+        for role, profile in ([(f"{role} pool ", pools[role]["latency_profile"]) for role in ("prefill", "decode")]
+                              if pools else [("", results[0].metrics["latency_profile"])]):
+            print(role + profile_line(profile))
         print(f"results: {final_dir(out_dir)}")
     progress = sweep_progress(out_dir)
     if progress and cfg.progress:
@@ -127,6 +130,7 @@ def capacity_task(cfg: DictConfig) -> None:
     for allocator in setup.allocator_configs:
         result, steps = run_search(setup, workload, allocator, spec, cfg.router, cfg.queue_order)
         results[allocator], rows = result, rows + steps
+        warn_thin_answer(allocator, steps)
     slo = dataclasses.asdict(setup.spec.slo)
     for allocator, result in results.items():
         (out_dir / allocator).mkdir(parents=True, exist_ok=True)
@@ -143,14 +147,27 @@ def capacity_task(cfg: DictConfig) -> None:
         print(f"results: {final_dir(out_dir)}")
 
 
+THIN_ANSWER_REQUESTS = 200  # fewer measured requests than this at the answer: said on stderr
+
+
+def warn_thin_answer(allocator: str, steps: list[dict]) -> None:
+    """Say when the step that decided the answer measured few requests (a burst, not a load)."""
+    met = [row for row in steps if row["met"]]  # the last one met is the answer (the search closes on it)
+    if met and met[-1]["num_measured_requests"] < THIN_ANSWER_REQUESTS:
+        print(f"note: {allocator}'s answer rests on {met[-1]['num_measured_requests']} measured requests, "
+              f"a burst rather than a steady load; more sessions or requests (scenario.*) give a steadier "
+              f"one", file=sys.stderr)
+
+
 def capacity_lines(results: dict, search: str) -> str:
     lines = []
     for allocator, r in results.items():
         if search == "rate":
             found = (f"max_rate_rps {r['max_rate_rps']:.3f} (x{r['max_rate_scale']:.4g} the workload's "
                      f"{r['base_rate_rps']:.3f} req/s)" if r["max_rate_scale"] else
-                     "no rate tried meets the SLOs")
-            if not r["bracketed"]:
+                     f"no rate tried meets the SLOs, down to {r['first_missed_rate_rps']:.4g} req/s: the "
+                     f"targets may be below what a lightly loaded replica gives (see the last step)")
+            if not r["bracketed"] and r["max_rate_scale"]:
                 found += f"; not bracketed within capacity.max_steps={r['num_steps']}: raise it"
         else:
             found = (f"min_replicas {r['min_replicas']} ({r['min_gpus']} GPUs) at {r['rate_rps']:.3f} req/s"
@@ -168,6 +185,8 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
     """A key the user set that nothing in this run reads is an error, not silently ignored."""
     scenario = choices.get("scenario")
     allocators = set(cfg.allocators) | ({"prefix"} if cfg.enable_prefix_caching else set())
+    from sim.staging import sweep_job_dir
+    in_sweep, given = sweep_job_dir() is not None, {key for _, key in user_keys()}
     for override, key in user_keys():
         if key == "cluster.num_replicas" and cfg.disaggregation.enabled:
             raise ConfigError(f"cluster.num_replicas is not read with disaggregation.enabled=true, override "
@@ -181,12 +200,39 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
         if key.startswith("trace.") and key not in READ_BY_EVERY_SCENARIO and scenario != "trace":
             raise ConfigError(f"{key} is set but scenario={scenario} reads no trace, override "
                               f"'{override}', add scenario=trace or drop the trace.* keys")
+        unread = unread_because(cfg, key, given if in_sweep else set())
+        if unread:
+            raise ConfigError(f"{key} is not read: {unread}, override '{override}', drop it")
         if key.startswith("allocator_options."):
             name = key.split(".")[1]
             if name not in allocators:
                 raise ConfigError(f"{key} is set but {name} is not in allocators="
                                   f"[{','.join(cfg.allocators)}], override '{override}', "
                                   f"add {name} to allocators or drop the option")
+
+
+def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset()) -> str | None:
+    """Why nothing in this run reads key (a setting of something switched off), or None. In a
+    sweep, a key whose switch the command line also sets is kept: the switch may be swept."""
+    from hydra.utils import get_class
+    offload, sizes = cfg.kv_offload, {"kv_offload.cpu_gib", "kv_offload.disk_gib", "kv_offload.shared_gib"}
+    targets = {"slo.ttft_s", "slo.tpot_s", "slo.e2e_s"}
+    if key.startswith("disaggregation.") and key != "disaggregation.enabled" and not cfg.disaggregation.enabled \
+            and "disaggregation.enabled" not in switches_given:
+        return "disaggregation.enabled is false"
+    if key.startswith("kv_offload.") and key not in sizes and not (offload.cpu_gib or offload.disk_gib or offload.shared_gib) \
+            and not sizes & switches_given:
+        return "no KV tier is on (kv_offload.cpu_gib, disk_gib and shared_gib are 0)"
+    if key == "kv_offload.pool_cpu" and offload.pool_cpu and not offload.cpu_gib and "kv_offload.cpu_gib" not in switches_given:
+        return "kv_offload.cpu_gib is 0, so there is no CPU memory to pool"
+    if key == "slo.percentile" and all(cfg.slo[t.split(".")[1]] is None for t in targets) and not targets & switches_given:
+        return "no SLO target is set (slo.ttft_s, slo.tpot_s, slo.e2e_s)"
+    if key == "figures" and cfg.figures_dir is None and "figures_dir" not in switches_given:
+        return "figures_dir is not set (figures name what a sweep copies there)"
+    if key == "cluster.router_staleness_s" and cfg.cluster.router_staleness_s and "router" not in switches_given \
+            and not getattr(get_class(cfg.router._target_), "reads_replica_state", True):
+        return f"the router ({cfg.router._target_.rsplit('.', 1)[-1]}) reads no replica state"
+    return None
 
 
 READ_BY_EVERY_SCENARIO = {"trace.on_overlength"}

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from sim.engine.clock import Environment
-from sim.engine.disaggregated import DisaggregatedCluster, LinkSpec, PrefillReplica, ttft_split
+from sim.engine.disaggregated import DisaggregatedCluster, LinkSpec, PrefillReplica, pool_routing, ttft_split
 from sim.errors import ConfigError
 from sim.kvcache.block import BlockAllocator
 from sim.recorder import Recorder
-from sim.run import RunResult, Setup, _instantiate, add_replicas, prepare, summarize_run
+from sim.latency.profile import load_profile
+from sim.models import model_from_config
+from sim.run import RunResult, Setup, _instantiate, add_replicas, check_tensor_parallel, prepare, summarize_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +40,15 @@ def prepare_pools(cfg: DictConfig) -> Pools:
     if cfg.kv_offload.cpu_gib or cfg.kv_offload.disk_gib or cfg.kv_offload.shared_gib:
         raise ConfigError("kv_offload with disaggregation is not modelled yet, key kv_offload, "
                           "set the tier sizes to 0 or disaggregation.enabled=false")
-    setups = {}
+    setups, model = {}, model_from_config(cfg.model)
     for role in ("prefill", "decode"):
-        overrides = {"gpu": d[f"{role}_gpu"] or cfg.gpu,
-                     "tensor_parallel_size": d[f"{role}_tensor_parallel_size"] or cfg.tensor_parallel_size,
+        gpu, tp = d[f"{role}_gpu"], d[f"{role}_tensor_parallel_size"]
+        if gpu is not None:
+            load_profile(gpu, f"key disaggregation.{role}_gpu")
+        if tp is not None:
+            check_tensor_parallel(model, tp, f"disaggregation.{role}_tensor_parallel_size")
+        overrides = {"gpu": cfg.gpu if gpu is None else gpu,
+                     "tensor_parallel_size": cfg.tensor_parallel_size if tp is None else tp,
                      "cluster": {"num_replicas": d[f"{role}_replicas"]}}
         setups[role] = prepare(OmegaConf.merge(cfg, overrides))
     for name in setups["prefill"].allocator_configs:
@@ -75,6 +82,8 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
         cluster.on_progress = on_progress
     env.run()
     metrics, requests, timeline = summarize_run(decode, workload, recorder, time.perf_counter() - started)
+    metrics["routing"] = pool_routing(cluster.prefilled_tokens, requests.replica[requests.status == "finished"],
+                                      decode.spec.num_replicas)
     metrics["kv_pool"] = {"token_slots_per_replica": decode.pool.num_slots, "bytes_per_replica": decode.pool.pool_bytes,
                           "num_blocks_per_replica": decode.pool.num_blocks, "block_size": decode.pool.block_size}
     metrics["disaggregation"] = {
@@ -88,7 +97,9 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
 def pool_facts(setup: Setup) -> dict:
     """A pool's replicas and their KV pool (replica indices: prefill first, then decode)."""
     spec = setup.spec
-    return {"num_replicas": spec.num_replicas, "gpu": setup.latency.profile.name,
+    profile = setup.latency.profile
+    return {"num_replicas": spec.num_replicas, "gpu": profile.name,
+            "latency_profile": {"gpu": profile.name, "source": profile.source, "operators": profile.provenance()},
             "tensor_parallel_size": spec.tensor_parallel_size,
             "kv_pool_token_slots_per_replica": setup.pool.num_slots,
             "kv_pool_bytes_per_replica": setup.pool.pool_bytes}

@@ -172,7 +172,7 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
                         "num_measured_requests": int(len(measured)),
                         "num_finished_in_window": int(len(finished_in_window))},
         "unserved": _unserved(requests, num_workload, workload_counts or {}),
-        "slo": slo_block(slo or SloSpec(), measured, num_unfinished_measured, duration),
+        "slo": slo_block(slo or SloSpec(), measured, num_unfinished_measured, duration, finished_in_window),
         "routing": routing_balance(done, int(timeline.replica.max()) + 1 if len(timeline) else 1),
         "kv": kv,
         "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,

@@ -120,6 +120,14 @@ def _instantiate(cfg, where: str, **kwargs):
         raise ConfigError(f"cannot build {where} ({exc}), {where}, fix or remove the offending key") from None
 
 
+def check_tensor_parallel(model, tensor_parallel_size: int, key: str) -> None:
+    """A TP group splits the query heads evenly (vLLM refuses a size that does not divide them)."""
+    if tensor_parallel_size < 1 or model.num_heads % tensor_parallel_size:
+        divisors = [n for n in (1, 2, 4, 8, 16) if model.num_heads % n == 0]
+        raise ConfigError(f"{key}={tensor_parallel_size}: a TP group must split {model.name}'s {model.num_heads} "
+                          f"attention heads evenly, key {key}, use one of {', '.join(map(str, divisors))}")
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     model = model_from_config(cfg.model)
@@ -142,6 +150,7 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                         pipeline_parallel_size=spec.pipeline_parallel_size)
+    check_tensor_parallel(model, spec.tensor_parallel_size, "tensor_parallel_size")
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
@@ -377,5 +386,23 @@ def run_all(cfg: DictConfig, show_progress: bool = False) -> list[RunResult]:
     if setup.spec.on_overlength == "truncate":
         workload = truncate_overlength(workload, setup.spec.max_model_len)
     names = list(setup.allocator_configs)
+    for line in queue_order_notes(cfg.queue_order, setup.allocator_configs, workload):
+        print(line, file=sys.stderr)
     with progress_bar(show_progress, workload.num_requests * len(names), "+".join(names)) as bar:
         return [simulate(setup, workload, name, cfg.router, bar.advance, cfg.queue_order) for name in names]
+
+
+def queue_order_notes(queue_order_cfg, allocator_configs: dict, workload: Workload) -> list[str]:
+    """Say when a queue order cannot reorder: lpm without a prefix cache, priority without
+    priorities (both then serve in arrival order, as fcfs)."""
+    target = (queue_order_cfg or {}).get("_target_", "")
+    if target.endswith(".LongestPrefixMatch"):
+        blind = [name for name, c in allocator_configs.items()
+                 if c.get("_target_", "").startswith("sim.kvcache.block.") and not c.get("enable_caching")
+                 or c.get("_target_", "").startswith("sim.kvcache.contiguous.")]
+        return [f"note: queue_order=lpm orders by cached prefix; {name} caches none, so its queue is in "
+                f"arrival order (fcfs)" for name in blind]
+    if target.endswith(".Priority") and len({r.priority for s in workload.sessions for r in s.turns}) < 2:
+        return ["note: queue_order=priority: every request has the same priority (scenario=synthetic "
+                "scenario.priority_classes=N draws them), so the queue is in arrival order (fcfs)"]
+    return []

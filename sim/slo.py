@@ -4,9 +4,10 @@ A request meets the SLOs when it finished and each set target holds for it (TTFT
 request with one output token has no TPOT and meets that target). A run meets them when each set
 target holds at `percentile` over the measured requests (the requests that arrived in the
 measurement window; a request that arrived there and did not finish counts as missing every
-target). Goodput is the rate of measured requests that meet every target, per second of the
-window (DistServe's "requests that meet the SLOs per second"). Attainment is a share of the
-measured requests.
+target). Goodput is the rate of requests that finished in the window and meet every target,
+per second of the window (DistServe's "requests that meet the SLOs per second"): the requests
+throughput.requests_per_s counts, less those that missed a target, so never above it.
+Attainment is a share of the measured requests.
 """
 from __future__ import annotations
 
@@ -48,28 +49,38 @@ def slo_spec(values: dict) -> SloSpec:
     return spec
 
 
+def _meets(spec: SloSpec, requests: pd.DataFrame, name: str) -> np.ndarray:
+    """Per finished request: whether its `name` target holds (no TPOT with one output token)."""
+    values = requests[f"{name}_s"].to_numpy(dtype=float)
+    target = spec.targets[name]
+    return np.isnan(values) | (values <= target) if name == "tpot" else values <= target
+
+
 def slo_block(spec: SloSpec, measured: pd.DataFrame, num_unfinished_measured: int,
-              duration_s: float) -> dict:
+              duration_s: float, finished_in_window: pd.DataFrame | None = None) -> dict:
     """metrics.json's `slo` block. measured: finished requests that arrived in the window;
-    num_unfinished_measured: those that arrived there and never finished (rejected or unserved)."""
+    num_unfinished_measured: those that arrived there and never finished (rejected or unserved);
+    finished_in_window: the requests finished in the window (goodput's; default: measured)."""
+    finished_in_window = measured if finished_in_window is None else finished_in_window
     total = len(measured) + num_unfinished_measured
+    good = np.ones(len(finished_in_window), dtype=bool)
     meets_all = np.ones(len(measured), dtype=bool)
     block: dict = {"percentile": spec.percentile, "num_measured_requests": total}
     all_met = True
     for name, target in spec.targets.items():
         values = measured[f"{name}_s"].to_numpy(dtype=float)
-        meets = np.isnan(values) | (values <= target) if name == "tpot" else values <= target
+        meets = _meets(spec, measured, name)
         meets_all &= meets
+        good &= _meets(spec, finished_in_window, name)
         at = _percentile_with_missing(values, num_unfinished_measured, spec.percentile, name == "tpot")
         met = at <= target
         all_met &= met
         block[name] = {"target_s": target, f"p{spec.percentile:g}_s": at if math.isfinite(at) else None,
                        "met": bool(met),
                        "attained_share_of_measured_requests": float(meets.sum()) / total if total else 0.0}
-    num_good = int(meets_all.sum())
     block["all_met"] = bool(all_met) and total > 0
-    block["attained_all_share_of_measured_requests"] = num_good / total if total else 0.0
-    block["goodput_requests_per_s"] = num_good / duration_s if duration_s > 0 else 0.0
+    block["attained_all_share_of_measured_requests"] = int(meets_all.sum()) / total if total else 0.0
+    block["goodput_requests_per_s"] = int(good.sum()) / duration_s if duration_s > 0 else 0.0
     return block
 
 

@@ -67,11 +67,13 @@ def _quoted(path: Path) -> str:
 
 class Staging:
     def __init__(self, overrides=(), final: Path | None = None, staging: Path | None = None,
-                 sweep_dir: Path | None = None, created_root: Path | None = None, figures=None):
+                 sweep_dir: Path | None = None, created_root: Path | None = None, figures=None,
+                 num_jobs: int | None = None):
         self.overrides = list(overrides)
         self.final, self.staging, self.sweep_dir = final, staging, sweep_dir
         self.created_root = created_root
         self.figures = figures  # a named sweep's (figures_dir, metrics) for finish_sweep
+        self.num_jobs = num_jobs  # a sweep's: its jobs are folders 0 .. num_jobs - 1
         # What a sweep folder already held: never touched when cleaning up after a failure.
         self.preexisting = set(sweep_dir.iterdir()) if sweep_dir is not None and sweep_dir.is_dir() else set()
 
@@ -81,7 +83,7 @@ class Staging:
         if hydra_cfg is None or hydra_cfg.output_subdir is None or NO_OUTPUT_FLAGS & set(argv):
             return cls()  # a verb that writes where it is told (calibration), or prints only
         multirun = "-m" in argv or "--multirun" in argv
-        figures = sweep_figures(composed, multirun)
+        figures = sweep_figures(composed, multirun, overrides)
         if multirun:
             from sim.cli import num_sweep_jobs
             sweep = Path(hydra_cfg.sweep.dir).absolute()
@@ -89,7 +91,7 @@ class Staging:
             params = hydra_cfg.get("sweeper", {}).get("params") or {}
             jobs = num_sweep_jobs(overrides, dict(params))
             planned = cls([f"hydra.sweep.dir={_quoted(sweep)}"], sweep_dir=sweep, created_root=created_root,
-                          figures=figures)
+                          figures=figures, num_jobs=jobs)
             _make_folder(sweep, "hydra.sweep.dir")
             os.environ[SWEEP_JOBS_ENV] = str(jobs)
             return planned
@@ -212,11 +214,24 @@ def mark_infeasible_job(reason: str) -> bool:
     return True
 
 
-def sweep_figures(composed, multirun: bool) -> tuple[Path, list[str]] | None:
-    """figures_dir and figures (a named sweep's, scenarios/sweep/), checked before any job runs."""
+# Overrides that leave a named sweep's results as they are.
+KEEPS_RESULTS = ("+sweep", "sweep", "resume", "figures", "quiet", "progress", "plots")
+
+
+def sweep_figures(composed, multirun: bool, overrides=()) -> tuple[Path, list[str]] | None:
+    """figures_dir and figures (a named sweep's, scenarios/sweep/), checked before any job runs.
+    A named sweep whose results the command line changes keeps its figures in its sweep folder
+    (said), unless the command line names figures_dir itself."""
     from sim.sweep import FIGURE_METRICS
     folder, metrics = composed.get("figures_dir"), list(composed.get("figures") or [])
     if folder is None:
+        return None
+    keys = [o.split("=", 1)[0] for o in overrides]
+    changed = [o for o, k in zip(overrides, keys) if not k.startswith(KEEPS_RESULTS + ("hydra.",))]
+    if multirun and changed and "figures_dir" not in keys:
+        print(f"note: the command line changes the named sweep ({', '.join(changed)}), so its figures stay in "
+              f"its sweep folder and {folder} is left as it is (add figures_dir=DIR to publish them there)",
+              file=sys.stderr)
         return None
     if not multirun:
         raise KvsimError(f"figures_dir={folder} publishes a sweep's figures, key figures_dir, "
@@ -231,23 +246,28 @@ def sweep_figures(composed, multirun: bool) -> tuple[Path, list[str]] | None:
     return target, metrics
 
 
-def finish_sweep(sweep_dir: Path, figures: tuple[Path, list[str]] | None = None) -> None:
+def finish_sweep(sweep_dir: Path, figures: tuple[Path, list[str]] | None = None, num_jobs: int | None = None) -> None:
     """Write the sweep's summary.parquet (and, for a named sweep, its report and figures into
-    figures_dir); a sweep in which no job ran is an error."""
-    from sim.sweep import publish_figures, sweep_table, write_summary
-    table, _ = sweep_table(sweep_dir)
+    figures_dir); a sweep in which no job ran is an error. Job folders beyond this sweep's
+    (left by an earlier, larger sweep in the same folder) are left out, and said."""
+    from sim.sweep import publish_figures, stale_job_dirs, sweep_table, write_summary
+    stale = stale_job_dirs(sweep_dir, num_jobs)
+    if stale:
+        print(f"note: job folders {', '.join(p.name for p in stale)} in {sweep_dir} are from an earlier sweep "
+              f"(this one has {num_jobs} jobs): left out of summary.parquet", file=sys.stderr)
+    table, _ = sweep_table(sweep_dir, num_jobs)
     statuses = table.groupby("job").status.first()
     if not (statuses == "ok").any():
         reasons = table[table.status == "infeasible"].reason
         first = reasons.iloc[0] if len(reasons) else "no job finished"
         raise KvsimError(f"no job of the sweep ran ({len(statuses)} infeasible or unfinished; the first: "
                          f"{first.removeprefix('error: ')}), hydra.sweep.dir {sweep_dir}, fix the swept values")
-    write_summary(sweep_dir)
+    write_summary(sweep_dir, num_jobs)
     infeasible = int((statuses == "infeasible").sum())
     print(f"sweep: {int((statuses == 'ok').sum())} jobs ran, {infeasible} infeasible; "
           f"summary: {sweep_dir / 'summary.parquet'}", file=sys.stderr)
     if figures is not None:
-        published = publish_figures(sweep_dir, *figures)
+        published = publish_figures(sweep_dir, *figures, num_jobs)
         print(f"figures: {len(published)} in {figures[0]}", file=sys.stderr)
 
 

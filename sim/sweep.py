@@ -58,9 +58,15 @@ def _scalar(text: str):
     return text
 
 
-def _job_dirs(sweep_dir: Path) -> list[Path]:
+def _job_dirs(sweep_dir: Path, num_jobs: int | None = None) -> list[Path]:
+    """The job folders (all, or the first num_jobs: the sweep that just ran)."""
     jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    return sorted(jobs, key=lambda p: int(p.name))
+    return sorted((p for p in jobs if num_jobs is None or int(p.name) < num_jobs), key=lambda p: int(p.name))
+
+
+def stale_job_dirs(sweep_dir: Path, num_jobs: int | None) -> list[Path]:
+    """Job folders past num_jobs: an earlier, larger sweep's in the same folder."""
+    return [] if num_jobs is None else [p for p in _job_dirs(sweep_dir) if int(p.name) >= num_jobs]
 
 
 def _overrides(job: Path) -> dict:
@@ -73,11 +79,11 @@ def _overrides(job: Path) -> dict:
     return values
 
 
-def sweep_table(sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+def sweep_table(sweep_dir: Path, num_jobs: int | None = None) -> tuple[pd.DataFrame, list[str]]:
     """One row per (job, allocator), an infeasible job one row; and the swept keys (overrides
     whose values differ between jobs). Every column of each job's comparison.csv is kept."""
     frames = []
-    for job in _job_dirs(sweep_dir):
+    for job in _job_dirs(sweep_dir, num_jobs):
         status = json.loads((job / STATUS_FILE).read_text()) if (job / STATUS_FILE).is_file() else {}
         if (job / COMPARISON_FILE).is_file():
             frame = pd.read_csv(job / COMPARISON_FILE)
@@ -96,9 +102,9 @@ def sweep_table(sweep_dir: Path) -> tuple[pd.DataFrame, list[str]]:
     return table, swept
 
 
-def write_summary(sweep_dir: Path) -> Path:
+def write_summary(sweep_dir: Path, num_jobs: int | None = None) -> Path:
     """summary.parquet: overrides, status, reason, wall time, allocator and headline metrics."""
-    table, _ = sweep_table(sweep_dir)
+    table, _ = sweep_table(sweep_dir, num_jobs)
     keep = list(table.columns[:table.columns.get_loc("allocator") + 1]) + [c for c, _ in HEADLINE if c in table]
     summary = table[keep].copy()
     for column in summary.columns:  # mixed types (a swept key of numbers and words) as text
@@ -109,12 +115,12 @@ def write_summary(sweep_dir: Path) -> Path:
     return path
 
 
-def report_sweep(sweep_dir: Path, metrics: list[str] = ()) -> list[Path]:
+def report_sweep(sweep_dir: Path, metrics: list[str] = (), num_jobs: int | None = None) -> list[Path]:
     """sweep_summary.csv (every column), summary.parquet, a figure per headline metric (and per
     metric of FIGURE_METRICS asked for) and index.html, all in the sweep folder."""
     from sim.report import _pyplot, _save
-    table, swept = sweep_table(sweep_dir)
-    written = [sweep_dir / "sweep_summary.csv", write_summary(sweep_dir)]
+    table, swept = sweep_table(sweep_dir, num_jobs)
+    written = [sweep_dir / "sweep_summary.csv", write_summary(sweep_dir, num_jobs)]
     write_csv(written[0], table)
     ran = table[table.status == "ok"]
     figures = []
@@ -133,11 +139,11 @@ def report_sweep(sweep_dir: Path, metrics: list[str] = ()) -> list[Path]:
     return written
 
 
-def publish_figures(sweep_dir: Path, figures_dir: Path, metrics: list[str]) -> list[Path]:
+def publish_figures(sweep_dir: Path, figures_dir: Path, metrics: list[str], num_jobs: int | None = None) -> list[Path]:
     """A named sweep's figures (scenarios/sweep/): the sweep's report, then its PNGs of the
     given headline metrics (all when none are given) copied into figures_dir, replacing them."""
     import shutil
-    drawn = {path.name: path for path in report_sweep(sweep_dir, metrics) if path.suffix == ".png"}
+    drawn = {path.name: path for path in report_sweep(sweep_dir, metrics, num_jobs) if path.suffix == ".png"}
     wanted = [f"sweep_{m.replace('.', '_')}.png" for m in metrics or [name for name, _ in HEADLINE]]
     figures_dir.mkdir(parents=True, exist_ok=True)
     published = []

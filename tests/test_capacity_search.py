@@ -18,7 +18,7 @@ def golden_setup():
 
 
 def outcome(met: bool) -> dict:
-    return {"slo": {"all_met": met, "percentile": 90.0, "goodput_requests_per_s": 0.0,
+    return {"slo": {"all_met": met, "percentile": 90.0, "goodput_requests_per_s": 0.0, "num_measured_requests": 500,
                     "attained_all_share_of_measured_requests": 1.0 if met else 0.0,
                     "ttft": {"p90_s": 0.5 if met else 3.0, "target_s": 1.0}}}
 
@@ -44,6 +44,19 @@ def test_rate_search_brackets_the_limit_within_the_tolerance(limit):
     assert limit / 1.05 <= result["max_rate_scale"] <= limit < result["first_missed_rate_rps"] / base
     assert result["max_rate_rps"] == pytest.approx(result["max_rate_scale"] * base)
     assert all(row["met"] == (row["scale"] <= limit) for row in rows)
+
+
+def test_the_warmup_is_compressed_with_the_arrivals():
+    import dataclasses
+    setup, workload = golden_setup()
+    setup = dataclasses.replace(setup, spec=dataclasses.replace(setup.spec, warmup_s=30.0))
+    seen = []
+
+    def run(scaled, sized):
+        seen.append((offered_rate_rps(scaled) / offered_rate_rps(workload), sized.spec.warmup_s))
+        return outcome(len(seen) < 3)
+    search_rate(setup, workload, "paged", CapacitySpec(max_steps=4), run, lambda _: None)
+    assert all(warmup == pytest.approx(30.0 / scale) for scale, warmup in seen) and len(seen) == 4
 
 
 def test_replica_search_finds_the_fewest_that_meet():

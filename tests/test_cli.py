@@ -114,6 +114,12 @@ def test_multirun_sweeps(tmp_path):
     (["run", "scenario=trace", "trace.path=sample:nope"], ["unknown sample 'nope'"]),
     (["run", "scenario=bench", "scenario.request_rate=0"], ["request_rate must be > 0", "scenario bench"]),
     (["run", "scenario=bench", "scenario.num_prompts=20", "enforce_eager=maybe"], ["override 'enforce_eager=maybe'"]),
+    (["run", "scenario.num_sessions=20", "router=nonexistent"], ["unknown router", "override 'router=nonexistent'"]),
+    (["run", "tensor_parallel_size=3"], ["tensor_parallel_size=3", "64 attention heads", "use one of 1, 2, 4, 8"]),
+    (["run", "disaggregation.enabled=true", "disaggregation.decode_gpu=h900"], ["key disaggregation.decode_gpu"]),
+    (["run", "disaggregation.enabled=true", "disaggregation.decode_tensor_parallel_size=0"],
+     ["key disaggregation.decode_tensor_parallel_size"]),
+    (["run", "-m", "seed=1,2", "--cfg", "job"], ["-m runs a sweep and --cfg only prints"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)

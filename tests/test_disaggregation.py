@@ -30,6 +30,10 @@ def test_every_request_is_served_and_its_prompt_kv_crosses_once():
         last = result.timeline.groupby("replica").tail(1)
         assert sorted(last.replica) == [0, 1] and (last.token_states == 0).all()  # both pools empty at the end
         assert result.requests.replica.eq(1).all()                               # served by the decode pool
+        routing = m["routing"]                  # the prefill replica computed the prompts, less hits
+        hits = int(result.requests.prefix_hit_tokens.sum())
+        assert routing["prefilled_tokens_per_replica"] == [prompts + m["num_finished"] - hits, m["num_finished"]]
+        assert routing["finished_requests_per_replica"] == [0, m["num_finished"]]
 
 
 def test_ttfts_parts_add_up_and_the_decode_pool_pushes_back_when_full():

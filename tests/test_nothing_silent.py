@@ -231,3 +231,32 @@ def test_a_failed_sweep_into_an_existing_folder_leaves_its_other_folders_alone(t
     out = sim(tmp_path, "run", "-m", "+experiment=golden", "block_size=2000,3000", "hydra.sweep.dir=mine")
     assert out.returncode == 2
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes"]
+
+
+@pytest.mark.parametrize("args, switch", [
+    (["disaggregation.prefill_replicas=3"], "disaggregation.enabled is false"),
+    (["kv_offload.eviction=fifo"], "no KV tier is on"),
+    (["kv_offload.pool_cpu=true", "kv_offload.shared_gib=1"], "kv_offload.cpu_gib is 0"),
+    (["slo.percentile=95"], "no SLO target is set"),
+    (["figures=[kv.waste_of_used]"], "figures_dir is not set"),
+    (["cluster.router_staleness_s=2", "router=round_robin"], "reads no replica state"),
+])
+def test_a_setting_of_something_switched_off_is_an_error_naming_the_switch(tmp_path, args, switch):
+    assert_one_line_error(run(tmp_path, "+experiment=golden", *args), "is not read", switch)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_may_set_what_a_swept_switch_reads(tmp_path):
+    out = sim(tmp_path, "run", "-m", "+experiment=golden", "allocators=[paged]", "quiet=true",
+              "disaggregation.enabled=false,true", "disaggregation.decode_replicas=2", "hydra.sweep.dir=sweep")
+    assert out.returncode == 0 and "2 jobs ran, 0 infeasible" in out.stderr, out.stderr
+
+
+def test_queue_orders_that_cannot_reorder_are_said(tmp_path):
+    lpm = run(tmp_path, "+experiment=golden", "queue_order=lpm", "allocators=[paged,prefix]")
+    assert lpm.returncode == 0, lpm.stderr
+    notes = [line for line in lpm.stderr.splitlines() if line.startswith("note: queue_order=lpm")]
+    assert len(notes) == 1 and "paged caches none" in notes[0]
+    priority = sim(tmp_path, "run", "+experiment=golden", "queue_order=priority", "allocators=[paged]",
+                   "hydra.run.dir=p")
+    assert "every request has the same priority" in priority.stderr

@@ -42,6 +42,18 @@ def test_unfinished_requests_miss_every_target_and_one_token_outputs_meet_tpot()
     assert block["num_measured_requests"] == 10
 
 
+def test_goodput_counts_the_good_requests_that_finished_in_the_window_never_above_throughput():
+    measured, finished_in_window = frame([0.1, 0.1, 0.9]), frame([0.1, 0.9])
+    block = slo_block(SloSpec(ttft_s=0.5), measured, 0, 1.0, finished_in_window)
+    assert block["attained_all_share_of_measured_requests"] == pytest.approx(2 / 3)
+    assert block["goodput_requests_per_s"] == 1.0
+    for extra in ([], ["slo.ttft_s=2", "slo.tpot_s=0.1"]):
+        m = run_all(compose_config("run", ["+experiment=golden", "allocators=[paged]", *extra]))[0].metrics
+        assert m["slo"]["goodput_requests_per_s"] <= m["throughput"]["requests_per_s"]
+        if not extra:
+            assert m["slo"]["goodput_requests_per_s"] == m["throughput"]["requests_per_s"]
+
+
 def test_no_targets_means_every_finished_request_is_good():
     block = slo_block(SloSpec(), frame([5.0, 9.0]), 0, 2.0)
     assert block["all_met"] is True and block["goodput_requests_per_s"] == 1.0

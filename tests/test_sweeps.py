@@ -112,3 +112,17 @@ def test_every_figure_in_the_docs_is_rebuilt_by_a_named_sweep():
         rebuilt |= {f"{path.stem}/sweep_{m.replace('.', '_')}.png" for m in metrics}
     assert shown and shown <= rebuilt
     assert {str(p.relative_to(root / "docs" / "figures")) for p in (root / "docs" / "figures").rglob("*.png")} == rebuilt
+
+
+def test_job_folders_of_an_earlier_larger_sweep_are_named_and_left_out_of_the_summary(tmp_path):
+    assert sim(tmp_path, *SWEEP, "seed=0,1,2", "hydra.sweep.dir=sweep").returncode == 0
+    out = sim(tmp_path, *SWEEP, "seed=5,6", "hydra.sweep.dir=sweep")
+    assert out.returncode == 0 and "job folders 2 in" in out.stderr
+    summary = pd.read_parquet(tmp_path / "sweep" / "summary.parquet")
+    assert sorted(summary.seed) == [5, 6]
+
+
+def test_a_named_sweep_with_changed_results_leaves_the_docs_figures_alone(tmp_path):
+    out = sim(tmp_path, "run", "-m", "+sweep=disaggregation", "scenario.num_requests=40", "hydra.sweep.dir=sweep")
+    assert out.returncode == 0, out.stderr
+    assert "left as it is" in out.stderr and "figures:" not in out.stderr and not (tmp_path / "docs").exists()

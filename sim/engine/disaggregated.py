@@ -46,6 +46,7 @@ class DisaggregatedCluster(Cluster):
         self.stages: list[tuple[float, float, float, float, float]] = []  # per request, see ttft_split
         self._pending: dict[int, tuple[float, float, float]] = {}  # seq id -> (arrival, prefill start, end)
         self.transferred_bytes = 0.0
+        self.prefilled_tokens = [0] * num_prefill  # per prefill replica: prompt tokens it computed
 
     def add_replica(self, replica) -> None:
         if len(self.replicas) < self.num_prefill:
@@ -64,6 +65,7 @@ class DisaggregatedCluster(Cluster):
         seq.prefix_hit_tokens, seq.num_preemptions, seq.admitted = prefill.prefix_hit_tokens, prefill.num_preemptions, True
         sent = seq.request.prompt_len - 1  # the decode side computes the last prompt token
         seq.transferred_tokens = sent
+        self.prefilled_tokens[prefill.replica] += prefill.request.prompt_len - prefill.prefix_hit_tokens
         self.transferred_bytes += sent * self.link.kv_bytes_per_token
         transfer = self.env.timeout(self.link.transfer_s(sent))
         self._pending[seq.seq_id] = (seq.arrival_time_s, prefill.first_scheduled_s, now)
@@ -92,6 +94,24 @@ class PrefillReplica(Replica):
             if seq.first_scheduled_s != seq.first_scheduled_s:  # NaN: not stamped yet
                 seq.first_scheduled_s = self.step_started_s
         super()._commit(plan)
+
+
+def pool_routing(prefilled_tokens: list[int], finished_replicas, num_decode: int) -> dict:
+    """metrics.json's routing for two pools (replica indices: prefill first, then decode): the
+    prompt tokens each replica computed (a prefill replica its requests' prompts less their
+    prefix hits, a decode replica one token per request) and the requests each finished (decode
+    replicas only); the busiest over the mean within the pool doing that work."""
+    num_prefill = len(prefilled_tokens)
+    finished = [0] * (num_prefill + num_decode)
+    for replica in finished_replicas:
+        finished[int(replica)] += 1
+
+    def busiest_over_mean(values) -> float:
+        return max(values) * len(values) / sum(values) if sum(values) else 1.0
+    return {"finished_requests_per_replica": finished,
+            "prefilled_tokens_per_replica": [*prefilled_tokens, *finished[num_prefill:]],
+            "busiest_over_mean_finished_requests": busiest_over_mean(finished[num_prefill:]),
+            "busiest_over_mean_prefilled_tokens": busiest_over_mean(prefilled_tokens)}
 
 
 def ttft_split(stages) -> dict:

@@ -78,14 +78,14 @@ def available_profiles() -> list[str]:
     return sorted(names)
 
 
-def load_profile(name: str) -> GpuProfile:
+def load_profile(name: str, where: str = "key gpu") -> GpuProfile:
     local = _local_path(name)
     if local.is_file():
         text, where = local.read_text(), str(local)
     else:
         packaged = resources.files("calibration") / "profiles" / f"{name}.json"
         if not packaged.is_file():
-            raise UnknownNameError("gpu profile", name, available_profiles(), "key gpu")
+            raise UnknownNameError("gpu profile", name, available_profiles(), where)
         text, where = packaged.read_text(), f"calibration/profiles/{name}.json"
     try:
         return profile_from_dict(json.loads(text))

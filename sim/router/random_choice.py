@@ -12,6 +12,7 @@ def router_rng(seed: int) -> np.random.Generator:
 
 class RandomChoice:
     reads_kv_state = False
+    reads_replica_state = False  # cluster.router_staleness_s has nothing to delay
 
     def __init__(self, seed: int = 0):
         self._rng = router_rng(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 class RoundRobin:
     reads_kv_state = False
+    reads_replica_state = False  # cluster.router_staleness_s has nothing to delay
 
     def __init__(self):
         self._next = 0
