@@ -304,7 +304,7 @@ def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queu
                                    spec.scheduler_reserve_full_isl, spec.watermark,
                                    setup.model.attention_groups)
     allocator_cfg = setup.allocator_configs[allocator_name]
-    first_arrival = min((s.arrival_time_s for s in workload.sessions), default=0.0)
+    first_arrival = workload.first_arrival_s
     allocators = []
     for index in range(first_index, first_index + spec.num_replicas):
         allocator = _instantiate(allocator_cfg, f"allocator config '{allocator_name}'",
@@ -329,8 +329,7 @@ def summarize_run(setup: Setup, workload: Workload, recorder: Recorder, wall_tim
                         warmup_s=spec.warmup_s, exclude_drain=spec.exclude_drain,
                         itl_samples=recorder.itl_samples(),
                         num_workload_requests=workload.num_requests, workload_counts=counts,
-                        last_session_arrival_s=max((s.arrival_time_s for s in workload.sessions),
-                                                   default=0.0),
+                        last_session_arrival_s=workload.last_arrival_s,
                         max_model_len=spec.max_model_len, slo=spec.slo,
                         workload_facts={"num_skipped_records": workload.num_skipped_records,
                                         "num_failed_requests": workload.num_failed_requests,
@@ -402,7 +401,7 @@ def queue_order_notes(queue_order_cfg, allocator_configs: dict, workload: Worklo
                  or c.get("_target_", "").startswith("sim.kvcache.contiguous.")]
         return [f"note: queue_order=lpm orders by cached prefix; {name} caches none, so its queue is in "
                 f"arrival order (fcfs)" for name in blind]
-    if target.endswith(".Priority") and len({r.priority for s in workload.sessions for r in s.turns}) < 2:
+    if target.endswith(".Priority") and len({r.priority for s in workload.one_copy for r in s.turns}) < 2:
         return ["note: queue_order=priority: every request has the same priority (scenario=synthetic "
                 "scenario.priority_classes=N draws them), so the queue is in arrival order (fcfs)"]
     return []

@@ -268,3 +268,31 @@ def test_recorded_timestamps_can_give_way_to_an_arrival_process():
     assert arrivals[:3] == [0.0, 0.5, 1.0] and arrivals[-1] == pytest.approx(99.5)
     with pytest.raises(KvsimError, match="trace.arrivals does not apply"):
         build_workload(TraceSpec(path="sample:sharegpt", arrivals="process", max_requests=5), 0)
+
+
+@pytest.mark.parametrize("path, fmt", [("sample:mooncake", "mooncake"), ("sample:agentic", "agentic"),
+                                       ("sample:sharegpt", "length_stats")])
+def test_a_repeated_trace_streams_copies_equal_to_building_them_all(path, fmt):
+    from sim.workload.request import RepeatedSessions
+    spec = TraceSpec(path=path, format=fmt, repeat=3)
+    streamed, built = build_workload(spec, 0), build_workload(spec, 0, stream=False)
+    assert isinstance(streamed.sessions, RepeatedSessions) and len(streamed.sessions.one_copy) * 3 == len(built.sessions)
+    assert list(streamed.in_arrival_order()) == list(built.in_arrival_order())
+    assert (streamed.num_requests, streamed.first_arrival_s, streamed.last_arrival_s) == (
+        built.num_requests, built.first_arrival_s, built.last_arrival_s)
+    assert streamed.sessions[-1] == sorted(built.sessions, key=lambda s: (s.arrival_time_s, s.session_id))[-1]
+
+
+def test_a_streamed_repeat_simulates_exactly_as_one_built_whole():
+    from sim.run import prepare, simulate
+    from tests.conftest import compose_config
+    cfg = compose_config("run", ["scenario=trace", "trace.path=sample:mooncake", "trace.repeat=2",
+                                 "trace.max_requests=300", "model=llama31_8b", "tensor_parallel_size=1",
+                                 "allocators=[prefix]", "cluster.num_replicas=2", "plots=false"])
+    setup = prepare(cfg)
+    runs = [simulate(setup, build_workload(TraceSpec(**cfg.trace), 0, stream=stream), "prefix", cfg.router,
+                     queue_order_cfg=cfg.queue_order) for stream in (True, False)]
+    for run in runs:
+        run.metrics.pop("wall_time_s")
+    assert runs[0].metrics == runs[1].metrics
+    assert runs[0].requests.equals(runs[1].requests)

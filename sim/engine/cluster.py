@@ -40,16 +40,17 @@ class Cluster:
             self._views.append(ReplicaView(replica))
 
     def start(self, workload: Workload) -> None:
-        sessions = sorted(workload.sessions, key=lambda s: (s.arrival_time_s, s.session_id, s.chain))
-        self._sessions = {(s.session_id, s.chain): s for s in sessions}
         self.max_concurrency = workload.max_concurrency
-        self.env.process(self._arrivals(sessions))
+        self.env.process(self._arrivals(workload.in_arrival_order()))
 
     def _arrivals(self, sessions):
+        """Sessions as they arrive; each is held here from its first turn until its last
+        finishes (what a streamed workload keeps in memory)."""
         env = self.env
         for session in sessions:
             if session.arrival_time_s > env.now:
                 yield env.timeout(session.arrival_time_s - env.now)
+            self._sessions[session.session_id, session.chain] = session
             self._submit(session, 0)
 
     def _submit(self, session: Session, turn: int) -> None:
@@ -94,6 +95,8 @@ class Cluster:
         if turn < len(session.turns):
             delay = self.env.timeout(session.turns[turn].think_time_s)
             delay.callbacks.append(lambda _event: self._submit(session, turn))
+        else:
+            del self._sessions[session.session_id, session.chain]
 
     def _release(self) -> None:
         """A request left the client's cap: send the longest-waiting held one."""

@@ -12,6 +12,7 @@ request's own content id, so a follow-up turn that quotes it shares its blocks.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -28,6 +29,11 @@ class PrefixInterner:
 
     def __init__(self):
         self._ids: dict[tuple[int, int, int], int] = {}
+
+    @property
+    def num_prefixes(self) -> int:
+        """Prefix ids given so far (they are 1 .. num_prefixes)."""
+        return len(self._ids)
 
     def extend(self, prefix_id: int, content_id: int, num_tokens: int) -> int:
         key = (prefix_id, content_id, num_tokens)
@@ -117,9 +123,72 @@ class Session:
     chain: int = 0
 
 
+def session_order(session: "Session") -> tuple:
+    """The order sessions reach the cluster in: arrival, then session id, then chain."""
+    return session.arrival_time_s, session.session_id, session.chain
+
+
+@dataclass(frozen=True, slots=True)
+class CopyShift:
+    """What one more copy of a repeated trace adds to every id and time of the one before."""
+    requests: int      # request ids
+    sessions: int      # session ids
+    contents: int      # content ids (segments and outputs)
+    prefixes: int      # interned prefix ids (0, the empty prefix, stays)
+    period_s: float    # arrival times
+
+
+class RepeatedSessions(Sequence):
+    """`repeat` copies of one copy's sessions, copy k built when it is reached: every id shifted
+    by k x the shift, arrivals by k x the period (copies share no prefix). Iterating yields the
+    sessions in the cluster's order (arrival, session id, chain) without holding the copies, so
+    a repeated trace's memory does not grow with its length."""
+
+    def __init__(self, one_copy: tuple[Session, ...], repeat: int, shift: CopyShift):
+        self.one_copy, self.repeat, self.shift = tuple(sorted(one_copy, key=session_order)), repeat, shift
+        self.num_requests = repeat * sum(len(s.turns) for s in one_copy)
+        times = [s.arrival_time_s for s in one_copy]
+        self.first_arrival_s = min(times, default=0.0)
+        self.last_arrival_s = max(times, default=0.0) + (repeat - 1) * shift.period_s
+
+    def __len__(self) -> int:
+        return self.repeat * len(self.one_copy)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        copy, within = divmod(index if index >= 0 else index + len(self), len(self.one_copy))
+        if not 0 <= copy < self.repeat:
+            raise IndexError(index)
+        return self._shifted(self.one_copy[within], copy)
+
+    def __iter__(self):
+        for copy in range(self.repeat):
+            for session in self.one_copy:
+                yield self._shifted(session, copy)
+
+    def _shifted(self, session: Session, copy: int) -> Session:
+        """Copy `copy` of a session (Requests built positionally, in Request's field order, for
+        speed: tests/test_traces.py compares every field with a copy built from the trace)."""
+        if not copy:
+            return session
+        shift = self.shift
+        contents, prefixes = copy * shift.contents, copy * shift.prefixes
+        requests, sessions = copy * shift.requests, copy * shift.sessions
+        turns = tuple(
+            Request(r.request_id + requests, r.prompt_len, r.output_len,
+                    tuple([(content + contents, n) for content, n in r.segments]),
+                    tuple([p + prefixes if p else 0 for p in r.prefix_ids]), r.segment_starts,
+                    r.output_content_id + contents, r.session_id + sessions, r.turn, r.think_time_s, r.n,
+                    r.chain, r.priority)
+            for r in session.turns)
+        return Session(session.session_id + copy * shift.sessions, session.arrival_time_s + copy * shift.period_s,
+                       turns, session.chain)
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
-    sessions: tuple[Session, ...]
+    sessions: Sequence[Session]      # a tuple, or RepeatedSessions (built as they are reached)
     num_skipped_records: int = 0   # malformed trace records skipped with trace.on_error=skip
     num_failed_requests: int = 0   # requests the trace marks as failed (BurstGPT zero responses)
     trace_format: str = ""         # the format a trace was read as (trace.format=auto says which)
@@ -130,7 +199,30 @@ class Workload:
 
     @property
     def num_requests(self) -> int:
-        return sum(len(s.turns) for s in self.sessions)
+        counted = getattr(self.sessions, "num_requests", None)
+        return counted if counted is not None else sum(len(s.turns) for s in self.sessions)
+
+    @property
+    def first_arrival_s(self) -> float:
+        known = getattr(self.sessions, "first_arrival_s", None)
+        return known if known is not None else min((s.arrival_time_s for s in self.sessions), default=0.0)
+
+    @property
+    def last_arrival_s(self) -> float:
+        known = getattr(self.sessions, "last_arrival_s", None)
+        return known if known is not None else max((s.arrival_time_s for s in self.sessions), default=0.0)
+
+    @property
+    def one_copy(self) -> Sequence[Session]:
+        """The sessions of one copy of a repeated trace (all sessions otherwise): what every
+        copy's requests look like, apart from their ids and times."""
+        return getattr(self.sessions, "one_copy", self.sessions)
+
+    def in_arrival_order(self):
+        """The sessions in the cluster's order (arrival, session id, chain)."""
+        if isinstance(self.sessions, RepeatedSessions):
+            return iter(self.sessions)
+        return iter(sorted(self.sessions, key=session_order))
 
 
 def independent_requests(arrivals, prompts, output_lens, next_content, n: int = 1) -> Workload:

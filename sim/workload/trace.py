@@ -24,7 +24,7 @@ import numpy as np
 from sim.errors import ConfigError
 from sim.workload import agentic, azure, burstgpt, length_stats, mooncake
 from sim.workload.records import TraceError, TraceFormat, TraceRequest
-from sim.workload.request import PrefixInterner, Session, Workload, make_request
+from sim.workload.request import CopyShift, PrefixInterner, RepeatedSessions, Session, Workload, make_request
 
 log = logging.getLogger(__name__)
 READERS = {"mooncake": mooncake, "azure": azure, "agentic": agentic, "burstgpt": burstgpt,
@@ -277,10 +277,13 @@ def prompt_segments(fmt: TraceFormat, request: TraceRequest, content_of, unique)
     return segments
 
 
-def build_workload(spec: TraceSpec, seed: int) -> Workload:
+def build_workload(spec: TraceSpec, seed: int, stream: bool = True) -> Workload:
+    """The trace's sessions. Copies of a repeated trace follow one another, one mean gap apart,
+    and share no prefixes: streamed (RepeatedSessions), only the first is built, and each later
+    copy is the first with its ids and times shifted, built as the run reaches it; stream=False
+    builds every copy (the same sessions)."""
     fmt, raw, skipped, failed = read_requests(spec)
     timed = timed_requests(spec, fmt, raw, seed)
-    # Copies of a repeated trace follow one another, one mean gap apart, and share no prefixes.
     period = timed[-1].arrival_s * len(timed) / max(len(timed) - 1, 1)
     closed = spec.timing == "closed" and fmt.has_sessions
     contents: dict = {}
@@ -291,7 +294,7 @@ def build_workload(spec: TraceSpec, seed: int) -> Workload:
     num_chains: dict[int, int] = {}
     chains: dict[tuple[int, int], list] = {}
     request_id = 0
-    for copy in range(spec.repeat):
+    for copy in range(1 if stream else spec.repeat):
         def content_of(block, copy=copy):
             key = (copy, block)
             if key not in contents:
@@ -313,4 +316,8 @@ def build_workload(spec: TraceSpec, seed: int) -> Workload:
             request_id += 1
     sessions = tuple(Session(session_id, turns[0][0], tuple(req for _, req in turns), chain)
                      for (session_id, chain), turns in chains.items())
+    if stream and spec.repeat > 1:
+        shift = CopyShift(requests=request_id, sessions=len(session_ids), contents=next_id() - 1,
+                          prefixes=interner.num_prefixes, period_s=period)
+        sessions = RepeatedSessions(sessions, spec.repeat, shift)
     return Workload(sessions, skipped, failed, fmt.name)
