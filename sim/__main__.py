@@ -43,8 +43,9 @@ USAGE = "usage: python -m sim {run|capacity|kv|trace-stats|report|validate} [key
 
 
 def select_trace_scenario(argv: list[str]) -> list[str]:
-    """`run trace.path=FILE` without a scenario means scenario=trace (said on stderr)."""
-    if not argv or argv[0] != "run":
+    """`run trace.path=FILE` (or `capacity ...`) without a scenario means scenario=trace (said on
+    stderr)."""
+    if not argv or argv[0] not in ("run", "capacity"):
         return argv
     sets_trace = any(a.lstrip("+").startswith("trace.") and not a.startswith("trace.on_overlength")
                      for a in argv[1:])

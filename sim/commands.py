@@ -122,6 +122,8 @@ def capacity_task(cfg: DictConfig) -> None:
     workload = build_workload(cfg, setup.spec.seed)
     if setup.spec.on_overlength == "truncate":
         workload = truncate_overlength(workload, setup.spec.max_model_len)
+    if os.environ.pop(TRACE_SELECTED_ENV, None):
+        print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     title = run_title(cfg, HydraConfig.get())
     slots = setup.pool.num_slots
     print(f"{title}\nkv pool per replica: {setup.pool.pool_bytes / GiB:.1f} GiB, {slots:,} token slots "
@@ -227,6 +229,10 @@ def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset())
         return "kv_offload.cpu_gib is 0, so there is no CPU memory to pool"
     if key == "slo.percentile" and all(cfg.slo[t.split(".")[1]] is None for t in targets) and not targets & switches_given:
         return "no SLO target is set (slo.ttft_s, slo.tpot_s, slo.e2e_s)"
+    if key == "capacity.max_replicas" and cfg.capacity.search != "replicas" and "capacity.search" not in switches_given:
+        return "capacity.search=rate keeps the replica count (capacity.search=replicas reads it)"
+    if key == "capacity.tolerance" and cfg.capacity.search == "replicas" and "capacity.search" not in switches_given:
+        return "capacity.search=replicas bisects whole replica counts"
     if key == "figures" and cfg.figures_dir is None and "figures_dir" not in switches_given:
         return "figures_dir is not set (figures name what a sweep copies there)"
     if key == "cluster.router_staleness_s" and cfg.cluster.router_staleness_s and "router" not in switches_given \

@@ -89,9 +89,17 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
     metrics["disaggregation"] = {
         "prefill": pool_facts(prefill), "decode": pool_facts(decode),
         "link_bandwidth_gb_per_s": pools.link_bandwidth_bytes_per_s / 1e9, "link_latency_s": pools.link_latency_s,
-        "transferred_bytes": cluster.transferred_bytes, "ttft_split": ttft_split(cluster.stages)}
+        "transferred_bytes": cluster.transferred_bytes,
+        "ttft_split": ttft_split(cluster.stages, measured_request_ids(requests, metrics["measurement"]))}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(prefill.allocator_configs[allocator_name], resolve=True))
+
+
+def measured_request_ids(requests, measurement: dict):
+    """The finished requests that arrived in the measurement window (latency_s's population)."""
+    start, end = measurement["window_s"]
+    done = requests[requests.status == "finished"]
+    return done.request_id[(done.arrival_time_s >= start) & (done.arrival_time_s <= end)]
 
 
 def pool_facts(setup: Setup) -> dict:

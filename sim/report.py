@@ -92,15 +92,13 @@ def run_title(cfg, hydra_cfg=None) -> str:
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("quantization", cfg.get("quantization"), None)) if value != default)
-    replicas = f"cluster.num_replicas={cfg.cluster.num_replicas}"
+    gpus = f"gpu={cfg.gpu} tensor_parallel_size={cfg.tensor_parallel_size}{extra} cluster.num_replicas={cfg.cluster.num_replicas}"
     pd = cfg.get("disaggregation")
     if pd is not None and pd.enabled:
-        replicas = " + ".join(f"{pd[f'{role}_replicas']} {role} ({pd[f'{role}_gpu'] or cfg.gpu} "
-                              f"TP {pd[f'{role}_tensor_parallel_size'] or cfg.tensor_parallel_size})"
-                              for role in ("prefill", "decode"))
-    title = (f"scenario={scenario} model={cfg.model.name} gpu={cfg.gpu} "
-             f"tensor_parallel_size={cfg.tensor_parallel_size}{extra} "
-             f"{replicas} seed={cfg.seed}")
+        gpus = "disaggregated: " + " + ".join(
+            f"{pd[f'{role}_replicas']} {role} ({pd[f'{role}_gpu'] or cfg.gpu} TP "
+            f"{pd[f'{role}_tensor_parallel_size'] or cfg.tensor_parallel_size})" for role in ("prefill", "decode")) + extra
+    title = f"scenario={scenario} model={cfg.model.name} {gpus} seed={cfg.seed}"
     if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
         swept = " ".join(o for o in hydra_cfg.overrides.task if not o.startswith("hydra"))
         title += f" | job {hydra_cfg.job.num}: {swept}"
@@ -274,8 +272,8 @@ def report(run_dir: Path) -> list[Path]:
     if not comparison_path.is_file():
         if run_dir.is_dir() and any((p / COMPARISON_FILE).is_file() or (p / "status.json").is_file()
                                     for p in run_dir.iterdir() if p.is_dir()):
-            from sim.sweep import report_sweep
-            return report_sweep(run_dir)
+            from sim.sweep import last_sweep_jobs, report_sweep
+            return report_sweep(run_dir, num_jobs=last_sweep_jobs(run_dir))
         raise KvsimError(f"no {COMPARISON_FILE} in '{run_dir}', key run_dir, "
                          f"pass a directory written by 'python -m sim run' or a sweep directory")
     comparison = _with_denominator_names(pd.read_csv(comparison_path))

@@ -338,26 +338,28 @@ def summarize_run(setup: Setup, workload: Workload, recorder: Recorder, wall_tim
 
 
 def tier_facts(chains: list, pool: KvPool, load_wait_s: float) -> dict:
-    """Per tier (summed over replicas; the shared store once): capacity, prefix tokens found
-    there and the bytes loaded, blocks written and dropped; the loads' transfer seconds and the
-    part of them steps waited for (all of it without overlap)."""
+    """Per tier, summed over replicas (the shared store once): capacity in tokens (a local
+    tier's also per replica), prefix tokens found there and the bytes loaded, blocks written and
+    dropped; the loads' transfer seconds and the part of them steps waited for (all of it
+    without overlap)."""
     tokens_per_block, block_bytes = pool.block_size, pool.bytes_per_token * pool.block_size
     tiers = {}
     for chain in chains:
         for tier in chain.tiers:
-            entry = tiers.setdefault(tier.name, {"capacity_tokens": tier.capacity_blocks * tokens_per_block,
-                                                 "hit_tokens": 0, "loaded_bytes": 0, "written_blocks": 0,
-                                                 "dropped_blocks": 0})
+            entry = tiers.setdefault(tier.name, {"capacity_tokens": 0, "hit_tokens": 0, "loaded_bytes": 0,
+                                                 "written_blocks": 0, "dropped_blocks": 0})
             loaded = chain.num_loaded_blocks[tier.name]
             entry["hit_tokens"] += loaded * tokens_per_block
             entry["loaded_bytes"] += int(loaded * block_bytes)
             if tier.name != "shared":
-                entry["capacity_tokens"] = tier.capacity_blocks * tokens_per_block  # per replica
+                entry["capacity_tokens_per_replica"] = tier.capacity_blocks * tokens_per_block
+                entry["capacity_tokens"] += tier.capacity_blocks * tokens_per_block
                 entry["written_blocks"] += tier.num_written_blocks
                 entry["dropped_blocks"] += tier.num_dropped_blocks
     shared = chains[0].shared
     if shared is not None:
-        tiers["shared"].update(written_blocks=shared.num_written_blocks, dropped_blocks=shared.num_dropped_blocks)
+        tiers["shared"].update(capacity_tokens=shared.capacity_blocks * tokens_per_block,
+                               written_blocks=shared.num_written_blocks, dropped_blocks=shared.num_dropped_blocks)
     return {**tiers, "load_transfer_s": sum(c.load_s_total for c in chains), "load_wait_s": load_wait_s}
 
 

@@ -218,10 +218,10 @@ def mark_infeasible_job(reason: str) -> bool:
 KEEPS_RESULTS = ("+sweep", "sweep", "resume", "figures", "quiet", "progress", "plots")
 
 
-def sweep_figures(composed, multirun: bool, overrides=()) -> tuple[Path, list[str]] | None:
+def sweep_figures(composed, multirun: bool, overrides=()) -> tuple[Path | None, list[str]] | None:
     """figures_dir and figures (a named sweep's, scenarios/sweep/), checked before any job runs.
     A named sweep whose results the command line changes keeps its figures in its sweep folder
-    (said), unless the command line names figures_dir itself."""
+    (folder None; said), unless the command line names figures_dir itself."""
     from sim.sweep import FIGURE_METRICS
     folder, metrics = composed.get("figures_dir"), list(composed.get("figures") or [])
     if folder is None:
@@ -232,7 +232,7 @@ def sweep_figures(composed, multirun: bool, overrides=()) -> tuple[Path, list[st
         print(f"note: the command line changes the named sweep ({', '.join(changed)}), so its figures stay in "
               f"its sweep folder and {folder} is left as it is (add figures_dir=DIR to publish them there)",
               file=sys.stderr)
-        return None
+        return None, metrics
     if not multirun:
         raise KvsimError(f"figures_dir={folder} publishes a sweep's figures, key figures_dir, "
                          f"run with -m (or drop figures_dir)")
@@ -250,7 +250,7 @@ def finish_sweep(sweep_dir: Path, figures: tuple[Path, list[str]] | None = None,
     """Write the sweep's summary.parquet (and, for a named sweep, its report and figures into
     figures_dir); a sweep in which no job ran is an error. Job folders beyond this sweep's
     (left by an earlier, larger sweep in the same folder) are left out, and said."""
-    from sim.sweep import publish_figures, stale_job_dirs, sweep_table, write_summary
+    from sim.sweep import publish_figures, record_sweep, report_sweep, stale_job_dirs, sweep_table, write_summary
     stale = stale_job_dirs(sweep_dir, num_jobs)
     if stale:
         print(f"note: job folders {', '.join(p.name for p in stale)} in {sweep_dir} are from an earlier sweep "
@@ -263,10 +263,14 @@ def finish_sweep(sweep_dir: Path, figures: tuple[Path, list[str]] | None = None,
         raise KvsimError(f"no job of the sweep ran ({len(statuses)} infeasible or unfinished; the first: "
                          f"{first.removeprefix('error: ')}), hydra.sweep.dir {sweep_dir}, fix the swept values")
     write_summary(sweep_dir, num_jobs)
+    record_sweep(sweep_dir, num_jobs)
     infeasible = int((statuses == "infeasible").sum())
     print(f"sweep: {int((statuses == 'ok').sum())} jobs ran, {infeasible} infeasible; "
           f"summary: {sweep_dir / 'summary.parquet'}", file=sys.stderr)
-    if figures is not None:
+    if figures is not None and figures[0] is None:  # a named sweep changed on the command line
+        report_sweep(sweep_dir, figures[1], num_jobs)
+        print(f"report: {sweep_dir / 'index.html'}", file=sys.stderr)
+    elif figures is not None:
         published = publish_figures(sweep_dir, *figures, num_jobs)
         print(f"figures: {len(published)} in {figures[0]}", file=sys.stderr)
 

@@ -24,6 +24,7 @@ from sim.results import COMPARISON_FILE, _atomic, write_csv
 
 STATUS_FILE = "status.json"
 SUMMARY_FILE = "summary.parquet"
+SWEEP_FILE = "sweep.json"  # the last sweep in the folder: its job count (later reports read it)
 HEADLINE = [("throughput.output_tokens_per_s", "output tokens / s"),
             ("throughput.requests_per_s", "requests / s"),
             ("latency_s.ttft.p90", "TTFT p90 (s)"),
@@ -62,6 +63,17 @@ def _job_dirs(sweep_dir: Path, num_jobs: int | None = None) -> list[Path]:
     """The job folders (all, or the first num_jobs: the sweep that just ran)."""
     jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
     return sorted((p for p in jobs if num_jobs is None or int(p.name) < num_jobs), key=lambda p: int(p.name))
+
+
+def record_sweep(sweep_dir: Path, num_jobs: int | None) -> None:
+    if num_jobs is not None:
+        _atomic(sweep_dir / SWEEP_FILE, lambda tmp: tmp.write_text(json.dumps({"num_jobs": num_jobs})))
+
+
+def last_sweep_jobs(sweep_dir: Path) -> int | None:
+    """The job count of the last sweep run into this folder (None: not recorded)."""
+    path = sweep_dir / SWEEP_FILE
+    return json.loads(path.read_text()).get("num_jobs") if path.is_file() else None
 
 
 def stale_job_dirs(sweep_dir: Path, num_jobs: int | None) -> list[Path]:

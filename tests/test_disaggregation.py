@@ -43,8 +43,16 @@ def test_ttfts_parts_add_up_and_the_decode_pool_pushes_back_when_full():
         split = m["disaggregation"]["ttft_split"]
         parts = sum(split[k]["mean"] for k in ("queueing_s", "prefill_s", "transfer_s", "decode_wait_s"))
         assert parts == pytest.approx(split["ttft_s"]["mean"]) == pytest.approx(m["latency_s"]["ttft"]["mean"])
+        assert split["ttft_s"]["p90"] == pytest.approx(m["latency_s"]["ttft"]["p90"])
         waits.append(split["decode_wait_s"]["mean"])
     assert waits[0] > 5 * waits[1]                 # a small decode pool holds requests back
+
+
+def test_the_ttft_split_covers_the_measured_requests_as_latency_does():
+    m = run_all(compose_config("run", [*SYNTHETIC, "disaggregation.enabled=true", "measure.warmup_s=30"]))[0].metrics
+    split, ttft = m["disaggregation"]["ttft_split"]["ttft_s"], m["latency_s"]["ttft"]
+    assert m["measurement"]["num_measured_requests"] < m["num_finished"]
+    assert (split["mean"], split["p90"]) == (pytest.approx(ttft["mean"]), pytest.approx(ttft["p90"]))
 
 
 def test_disaggregation_removes_prefill_interference_from_decode_at_equal_gpus():

@@ -153,7 +153,8 @@ def test_a_sweep_says_which_jobs_could_not_run_and_why(tmp_path):
               "allocators=[paged]", "block_size=16,2000", "hydra.sweep.dir=sweep")
     assert out.returncode == 0 and "job 1 infeasible: block_size=2000 is out of range" in out.stderr
     assert "1 jobs ran, 1 infeasible" in out.stderr
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "1", "multirun.yaml", "summary.parquet"]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "1", "multirun.yaml", "summary.parquet",
+                                                                  "sweep.json"]
     assert sorted(p.name for p in (tmp_path / "sweep" / "1").iterdir()) == [".hydra", "status.json"]
     out = sim(tmp_path, "run", "-m", "+experiment=golden", "block_size=2000,3000", "hydra.sweep.dir=none")
     assert out.returncode == 2 and not (tmp_path / "none").exists()

@@ -120,9 +120,13 @@ def test_job_folders_of_an_earlier_larger_sweep_are_named_and_left_out_of_the_su
     assert out.returncode == 0 and "job folders 2 in" in out.stderr
     summary = pd.read_parquet(tmp_path / "sweep" / "summary.parquet")
     assert sorted(summary.seed) == [5, 6]
+    report = sim(tmp_path, "report", "run_dir=sweep")   # a later report keeps to the last sweep
+    assert report.returncode == 0, report.stderr
+    assert sorted(pd.read_csv(tmp_path / "sweep" / "sweep_summary.csv").seed) == [5, 6]
 
 
 def test_a_named_sweep_with_changed_results_leaves_the_docs_figures_alone(tmp_path):
     out = sim(tmp_path, "run", "-m", "+sweep=disaggregation", "scenario.num_requests=40", "hydra.sweep.dir=sweep")
     assert out.returncode == 0, out.stderr
     assert "left as it is" in out.stderr and "figures:" not in out.stderr and not (tmp_path / "docs").exists()
+    assert (tmp_path / "sweep" / "index.html").is_file()   # the report is drawn in the sweep folder

@@ -100,7 +100,9 @@ def test_tiers_never_hold_more_than_their_capacity_and_their_hits_count_as_prefi
     result = run_all(golden("kv_offload.cpu_gib=0.25", "kv_offload.shared_gib=0.5"))[0]
     tiers, cache = result.metrics["kv_tiers"], result.metrics["prefix_cache"]
     assert tiers["cpu"]["hit_tokens"] > 0 and tiers["shared"]["hit_tokens"] > 0
-    assert tiers["cpu"]["written_blocks"] - tiers["cpu"]["dropped_blocks"] <= 2 * tiers["cpu"]["capacity_tokens"] / 16
+    assert tiers["cpu"]["capacity_tokens"] == 2 * tiers["cpu"]["capacity_tokens_per_replica"]  # two replicas
+    for name in ("cpu", "shared"):
+        assert tiers[name]["written_blocks"] - tiers[name]["dropped_blocks"] <= tiers[name]["capacity_tokens"] / 16
     without = run_all(golden())[0].metrics["prefix_cache"]
     assert cache["hit_tokens"] > without["hit_tokens"]
     assert cache["prompt_tokens"] == without["prompt_tokens"]

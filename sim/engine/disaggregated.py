@@ -17,7 +17,8 @@ them while the decode pool refuses). Replicas 0..P-1 are the prefill pool, P.. t
 from __future__ import annotations
 
 import dataclasses
-import math
+
+import numpy as np
 
 from sim.engine.cluster import Cluster
 from sim.engine.replica import Replica
@@ -43,7 +44,7 @@ class DisaggregatedCluster(Cluster):
         super().__init__(env, router, recorder, max_model_len, serving_overhead_s, router_staleness_s)
         self.link, self.num_prefill = link, num_prefill
         self.decode_replicas = []
-        self.stages: list[tuple[float, float, float, float, float]] = []  # per request, see ttft_split
+        self.stages: dict[int, tuple[float, float, float, float, float]] = {}  # request id -> see ttft_split
         self._pending: dict[int, tuple[float, float, float]] = {}  # seq id -> (arrival, prefill start, end)
         self.transferred_bytes = 0.0
         self.prefilled_tokens = [0] * num_prefill  # per prefill replica: prompt tokens it computed
@@ -81,8 +82,8 @@ class DisaggregatedCluster(Cluster):
         stages = self._pending.pop(seq.seq_id, None)
         if stages is not None:
             arrival, started, prefilled, landed = stages
-            self.stages.append((started - arrival, prefilled - started, landed - prefilled,
-                                seq.first_token_time_s - landed, seq.first_token_time_s - arrival))
+            self.stages[seq.request.request_id] = (started - arrival, prefilled - started, landed - prefilled,
+                                                   seq.first_token_time_s - landed, seq.first_token_time_s - arrival)
         super().on_finish(seq)
 
 
@@ -114,14 +115,13 @@ def pool_routing(prefilled_tokens: list[int], finished_replicas, num_decode: int
             "busiest_over_mean_prefilled_tokens": busiest_over_mean(prefilled_tokens)}
 
 
-def ttft_split(stages) -> dict:
-    """Mean and p90 of TTFT's parts over requests: queueing (arrival to the prefill's first step),
-    prefill (its steps), transfer (the link), decode_wait (queued on the decode replica and its
-    first step); the parts sum to TTFT."""
-    out = {}
+def ttft_split(stages: dict, request_ids) -> dict:
+    """Mean and p90 of TTFT's parts over the given requests (the measured ones, as latency_s):
+    queueing (arrival to the prefill's first step), prefill (its steps), transfer (the link),
+    decode_wait (queued on the decode replica and its first step); the parts' means sum to the
+    mean TTFT, and p90 is numpy's percentile, as latency_s's."""
+    rows = np.array([stages[i] for i in request_ids if i in stages], dtype=float).reshape(-1, 5)
     names = ("queueing_s", "prefill_s", "transfer_s", "decode_wait_s", "ttft_s")
-    for index, name in enumerate(names):
-        values = sorted(stage[index] for stage in stages)
-        out[name] = {"mean": sum(values) / len(values) if values else 0.0,
-                     "p90": values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)] if values else 0.0}
-    return out
+    return {name: {"mean": float(rows[:, index].mean()) if len(rows) else 0.0,
+                   "p90": float(np.percentile(rows[:, index], 90)) if len(rows) else 0.0}
+            for index, name in enumerate(names)}
