@@ -226,20 +226,20 @@ def sweep_figures(composed, multirun: bool, overrides=()) -> tuple[Path | None, 
     folder, metrics = composed.get("figures_dir"), list(composed.get("figures") or [])
     if folder is None:
         return None
+    if not multirun:
+        raise KvsimError(f"figures_dir={folder} publishes a sweep's figures, key figures_dir, "
+                         f"run with -m (or drop figures_dir)")
+    unknown = [m for m in metrics if m not in FIGURE_METRICS]
+    if unknown:
+        raise KvsimError(f"unknown figure metric '{unknown[0]}', key figures, use some of: "
+                         f"{', '.join(FIGURE_METRICS)}")
     keys = [o.split("=", 1)[0] for o in overrides]
     changed = [o for o, k in zip(overrides, keys) if not k.startswith(KEEPS_RESULTS + ("hydra.",))]
-    if multirun and changed and "figures_dir" not in keys:
+    if changed and "figures_dir" not in keys:
         print(f"note: the command line changes the named sweep ({', '.join(changed)}), so its figures stay in "
               f"its sweep folder and {folder} is left as it is (add figures_dir=DIR to publish them there)",
               file=sys.stderr)
         return None, metrics
-    if not multirun:
-        raise KvsimError(f"figures_dir={folder} publishes a sweep's figures, key figures_dir, "
-                         f"run with -m (or drop figures_dir)")
-    known = list(FIGURE_METRICS)
-    unknown = [m for m in metrics if m not in known]
-    if unknown:
-        raise KvsimError(f"unknown figure metric '{unknown[0]}', key figures, use some of: {', '.join(known)}")
     target = Path(folder).absolute()
     if target.exists() and not target.is_dir():
         raise KvsimError(f"{target} is a file, key figures_dir, name a folder")
