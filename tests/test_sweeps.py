@@ -92,6 +92,8 @@ def test_a_sweep_with_figures_dir_publishes_the_figures_it_names(tmp_path):
     assert_one_line_error(sim(tmp_path, *SWEEP, "block_size=8,32", "figures_dir=f", "figures=[ttft]",
                               "hydra.sweep.dir=other"), "unknown figure metric 'ttft'")
     assert_one_line_error(sim(tmp_path, "run", *SMALL, "figures_dir=f"), "run with -m")
+    assert_one_line_error(sim(tmp_path, "run", "-m", "+sweep=disaggregation", "seed=3", "figures=[bogus]",
+                              "hydra.sweep.dir=other"), "unknown figure metric 'bogus'")
     assert not (tmp_path / "other").exists() and not (tmp_path / "f").exists()
 
 
