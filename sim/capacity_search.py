@@ -95,7 +95,16 @@ def search_rate(setup: Setup, workload: Workload, allocator: str, spec: Capacity
         say(describe(rows[-1]))
         return rows[-1]["met"]
 
-    low, high = _bracket(meets, 1.0, spec.max_steps)
+    def flat() -> bool:
+        """Two misses in a row whose SLO percentiles moved by under 1%: a lower rate will not
+        meet the targets either (they are below an idle replica's latency)."""
+        if len(rows) < 2 or rows[-1]["met"] or rows[-2]["met"]:
+            return False
+        keys = [k for k in rows[-1] if k.startswith(tuple(f"{name}_p" for name in TARGETS)) and not k.endswith("target_s")]
+        return all(rows[-1][k] is not None and rows[-2][k] is not None
+                   and abs(rows[-1][k] - rows[-2][k]) <= 0.01 * abs(rows[-2][k]) for k in keys)
+
+    low, high = _bracket(meets, 1.0, spec.max_steps, flat)
     while low is not None and high is not None and high / low - 1 > spec.tolerance and len(rows) < spec.max_steps:
         middle = math.sqrt(low * high)  # geometric: rates span orders of magnitude
         low, high = (middle, high) if meets(middle) else (low, middle)
@@ -103,13 +112,14 @@ def search_rate(setup: Setup, workload: Workload, allocator: str, spec: Capacity
               "max_rate_scale": low if low is not None else 0.0,
               "first_missed_rate_rps": base_rate * high if high is not None else None,
               "base_rate_rps": base_rate, "num_steps": len(rows),
-              "bracketed": low is not None and high is not None}
+              "bracketed": low is not None and high is not None,
+              "unreachable": low is None and flat()}
     return result, rows
 
 
-def _bracket(meets, start: float, max_steps: int):
+def _bracket(meets, start: float, max_steps: int, flat=lambda: False):
     """(highest scale seen meeting, lowest seen missing), doubling or halving from start; None
-    where the steps ran out first."""
+    where the steps ran out first, or halving stopped because lower rates no longer help (flat)."""
     if meets(start):
         low, high, steps = start, None, 1
         while high is None and steps < max_steps:
@@ -117,7 +127,7 @@ def _bracket(meets, start: float, max_steps: int):
             low, high = (candidate, None) if meets(candidate) else (low, candidate)
         return low, high
     low, high, steps = None, start, 1
-    while low is None and steps < max_steps:
+    while low is None and steps < max_steps and not flat():
         candidate, steps = high / 2, steps + 1
         low, high = (candidate, high) if meets(candidate) else (None, candidate)
     return low, high

@@ -124,7 +124,7 @@ def capacity_task(cfg: DictConfig) -> None:
         workload = truncate_overlength(workload, setup.spec.max_model_len)
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
-    title = run_title(cfg, HydraConfig.get())
+    title = run_title(cfg, HydraConfig.get(), replicas="searched" if spec.search == "replicas" else None)
     slots = setup.pool.num_slots
     print(f"{title}\nkv pool per replica: {setup.pool.pool_bytes / GiB:.1f} GiB, {slots:,} token slots "
           f"(paged; contiguous: {setup.pool.num_token_slots:,})", file=sys.stderr)
@@ -167,8 +167,10 @@ def capacity_lines(results: dict, search: str) -> str:
         if search == "rate":
             found = (f"max_rate_rps {r['max_rate_rps']:.3f} (x{r['max_rate_scale']:.4g} the workload's "
                      f"{r['base_rate_rps']:.3f} req/s)" if r["max_rate_scale"] else
-                     f"no rate tried meets the SLOs, down to {r['first_missed_rate_rps']:.4g} req/s: the "
-                     f"targets may be below what a lightly loaded replica gives (see the last step)")
+                     f"no rate tried meets the SLOs, down to {r['first_missed_rate_rps']:.4g} req/s: "
+                     + ("the percentiles stopped falling with the rate, so the targets are below what a "
+                        "lightly loaded replica gives (see the last steps)" if r.get("unreachable") else
+                        "the targets may be below what a lightly loaded replica gives (see the last step)"))
             if not r["bracketed"] and r["max_rate_scale"]:
                 found += f"; not bracketed within capacity.max_steps={r['num_steps']}: raise it"
         else:

@@ -84,7 +84,7 @@ def format_serving(comparison: pd.DataFrame) -> str:
     return frame.to_string()
 
 
-def run_title(cfg, hydra_cfg=None) -> str:
+def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     """model, GPU, parallelism and precision (where not the default), replicas, scenario and, in a
     sweep, the job's overrides."""
     scenario = hydra_cfg.runtime.choices.get("scenario") if hydra_cfg is not None else None
@@ -92,7 +92,8 @@ def run_title(cfg, hydra_cfg=None) -> str:
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("quantization", cfg.get("quantization"), None)) if value != default)
-    gpus = f"gpu={cfg.gpu} tensor_parallel_size={cfg.tensor_parallel_size}{extra} cluster.num_replicas={cfg.cluster.num_replicas}"
+    replicas = cfg.cluster.num_replicas if replicas is None else replicas
+    gpus = f"gpu={cfg.gpu} tensor_parallel_size={cfg.tensor_parallel_size}{extra} cluster.num_replicas={replicas}"
     pd = cfg.get("disaggregation")
     if pd is not None and pd.enabled:
         gpus = "disaggregated: " + " + ".join(

@@ -195,8 +195,21 @@ def _facets(plt, ran: pd.DataFrame, swept: list[str], column: str, label: str):
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
+    title = _common_title(ran)
+    if title:
+        fig.suptitle(title, fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _common_title(ran: pd.DataFrame) -> str:
+    """What every job shares: the words of the run titles (model, GPU, scenario, ...; the job
+    part after ' | ' left out) that every job's title has, in the first title's order."""
+    if "run_title" not in ran or ran.run_title.isna().all():
+        return ""
+    titles = [str(t).split(" | ")[0].split() for t in ran.run_title.dropna()]
+    shared = set(titles[0]).intersection(*titles[1:])
+    return " ".join(w for w in titles[0] if w in shared)
 
 
 def _page(sweep_dir: Path, table: pd.DataFrame, swept: list[str], figures) -> str:

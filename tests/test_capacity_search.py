@@ -17,10 +17,10 @@ def golden_setup():
     return prepare(cfg), build_workload(cfg, 0)
 
 
-def outcome(met: bool) -> dict:
+def outcome(met: bool, p90_s: float | None = None) -> dict:
     return {"slo": {"all_met": met, "percentile": 90.0, "goodput_requests_per_s": 0.0, "num_measured_requests": 500,
                     "attained_all_share_of_measured_requests": 1.0 if met else 0.0,
-                    "ttft": {"p90_s": 0.5 if met else 3.0, "target_s": 1.0}}}
+                    "ttft": {"p90_s": p90_s or (0.5 if met else 3.0), "target_s": 1.0}}}
 
 
 def test_scaling_compresses_session_arrivals_and_keeps_think_times():
@@ -39,7 +39,8 @@ def test_rate_search_brackets_the_limit_within_the_tolerance(limit):
     base = offered_rate_rps(workload)
     spec = CapacitySpec(tolerance=0.05, max_steps=30)
     result, rows = search_rate(setup, workload, "paged", spec,
-                               lambda scaled, _: outcome(offered_rate_rps(scaled) <= limit * base), lambda _: None)
+                               lambda scaled, _: outcome(offered_rate_rps(scaled) <= limit * base,
+                                                         3.0 * offered_rate_rps(scaled) / base), lambda _: None)
     assert result["bracketed"] and result["num_steps"] == len(rows)
     assert limit / 1.05 <= result["max_rate_scale"] <= limit < result["first_missed_rate_rps"] / base
     assert result["max_rate_rps"] == pytest.approx(result["max_rate_scale"] * base)
@@ -57,6 +58,13 @@ def test_the_warmup_is_compressed_with_the_arrivals():
         return outcome(len(seen) < 3)
     search_rate(setup, workload, "paged", CapacitySpec(max_steps=4), run, lambda _: None)
     assert all(warmup == pytest.approx(30.0 / scale) for scale, warmup in seen) and len(seen) == 4
+
+
+def test_the_rate_search_stops_halving_once_lower_rates_no_longer_help():
+    setup, workload = golden_setup()
+    result, rows = search_rate(setup, workload, "paged", CapacitySpec(max_steps=16),
+                               lambda scaled, _: outcome(False), lambda _: None)  # TTFT p90 3 s at any rate
+    assert len(rows) == 2 and result["unreachable"] and result["max_rate_rps"] == 0.0
 
 
 def test_replica_search_finds_the_fewest_that_meet():
