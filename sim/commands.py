@@ -219,13 +219,15 @@ def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset())
     """Why nothing in this run reads key (a setting of something switched off), or None. In a
     sweep, a key whose switch the command line also sets is kept: the switch may be swept."""
     from hydra.utils import get_class
-    offload, sizes = cfg.kv_offload, {"kv_offload.cpu_gib", "kv_offload.disk_gib", "kv_offload.shared_gib"}
-    targets = {"slo.ttft_s", "slo.tpot_s", "slo.e2e_s"}
+
+    from sim.kvcache.tiers import TIER_SIZE_KEYS, tiers_enabled
+    from sim.slo import TARGETS
+    offload, sizes = cfg.kv_offload, {f"kv_offload.{size}" for size in TIER_SIZE_KEYS}
+    targets = {f"slo.{name}_s" for name in TARGETS}
     if key.startswith("disaggregation.") and key != "disaggregation.enabled" and not cfg.disaggregation.enabled \
             and "disaggregation.enabled" not in switches_given:
         return "disaggregation.enabled is false"
-    if key.startswith("kv_offload.") and key not in sizes and not (offload.cpu_gib or offload.disk_gib or offload.shared_gib) \
-            and not sizes & switches_given:
+    if key.startswith("kv_offload.") and key not in sizes and not tiers_enabled(offload) and not sizes & switches_given:
         return "no KV tier is on (kv_offload.cpu_gib, disk_gib and shared_gib are 0)"
     if key == "kv_offload.pool_cpu" and offload.pool_cpu and not offload.cpu_gib and "kv_offload.cpu_gib" not in switches_given:
         return "kv_offload.cpu_gib is 0, so there is no CPU memory to pool"

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from sim.engine.clock import Environment
-from sim.engine.disaggregated import DisaggregatedCluster, LinkSpec, PrefillReplica, pool_routing, ttft_split
+from sim.engine.disaggregated import DisaggregatedCluster, LinkSpec, PrefillReplica, ttft_split
 from sim.errors import ConfigError
 from sim.kvcache.block import BlockAllocator
+from sim.kvcache.tiers import tiers_enabled
 from sim.recorder import Recorder
 from sim.latency.profile import load_profile
+from sim.metrics import busiest_over_mean, measured_requests
 from sim.models import model_from_config
 from sim.run import RunResult, Setup, _instantiate, add_replicas, check_tensor_parallel, prepare, summarize_run
 
@@ -37,7 +39,7 @@ def prepare_pools(cfg: DictConfig) -> Pools:
     if not d["link_bandwidth_gb_per_s"] > 0 or d["link_latency_s"] < 0:
         raise ConfigError("disaggregation.link_bandwidth_gb_per_s must be > 0 and link_latency_s >= 0, "
                           "key disaggregation.link_bandwidth_gb_per_s, fix the values")
-    if cfg.kv_offload.cpu_gib or cfg.kv_offload.disk_gib or cfg.kv_offload.shared_gib:
+    if tiers_enabled(cfg.kv_offload):
         raise ConfigError("kv_offload with disaggregation is not modelled yet, key kv_offload, "
                           "set the tier sizes to 0 or disaggregation.enabled=false")
     setups, model = {}, model_from_config(cfg.model)
@@ -90,16 +92,24 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
         "prefill": pool_facts(prefill), "decode": pool_facts(decode),
         "link_bandwidth_gb_per_s": pools.link_bandwidth_bytes_per_s / 1e9, "link_latency_s": pools.link_latency_s,
         "transferred_bytes": cluster.transferred_bytes,
-        "ttft_split": ttft_split(cluster.stages, measured_request_ids(requests, metrics["measurement"]))}
+        "ttft_split": ttft_split(cluster.stages, measured_requests(requests, *metrics["measurement"]["window_s"]).request_id)}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(prefill.allocator_configs[allocator_name], resolve=True))
 
 
-def measured_request_ids(requests, measurement: dict):
-    """The finished requests that arrived in the measurement window (latency_s's population)."""
-    start, end = measurement["window_s"]
-    done = requests[requests.status == "finished"]
-    return done.request_id[(done.arrival_time_s >= start) & (done.arrival_time_s <= end)]
+def pool_routing(prefilled_tokens: list[int], finished_replicas, num_decode: int) -> dict:
+    """metrics.json's routing for two pools (replica indices: prefill first, then decode): the
+    prompt tokens each replica computed (a prefill replica its requests' prompts less their
+    prefix hits, a decode replica one token per request) and the requests each finished (decode
+    replicas only); the busiest over the mean within the pool doing that work."""
+    num_prefill = len(prefilled_tokens)
+    finished = [0] * (num_prefill + num_decode)
+    for replica in finished_replicas:
+        finished[int(replica)] += 1
+    return {"finished_requests_per_replica": finished,
+            "prefilled_tokens_per_replica": [*prefilled_tokens, *finished[num_prefill:]],
+            "busiest_over_mean_finished_requests": busiest_over_mean(finished[num_prefill:]),
+            "busiest_over_mean_prefilled_tokens": busiest_over_mean(prefilled_tokens)}
 
 
 def pool_facts(setup: Setup) -> dict:

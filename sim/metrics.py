@@ -129,7 +129,7 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
     done = requests[requests.status == "finished"]
     window = measurement_window(requests, warmup_s, exclude_drain, last_session_arrival_s)
     duration = window.duration_s
-    measured = done[(done.arrival_time_s >= window.start_s) & (done.arrival_time_s <= window.end_s)]
+    measured = measured_requests(requests, window.start_s, window.end_s)
     kv = kv_fractions(timeline, window.start_s, window.end_s)
     kv = {"token_states_frac": kv["token_states_frac"], "reserved_frac": kv["reserved_frac"],
           "internal_frag_frac": kv["internal_frag_frac"],
@@ -188,6 +188,18 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
     }
 
 
+def measured_requests(requests: pd.DataFrame, start_s: float, end_s: float) -> pd.DataFrame:
+    """The finished requests that arrived in [start_s, end_s]: those latency_s and the SLOs measure."""
+    done = requests[requests.status == "finished"]
+    return done[(done.arrival_time_s >= start_s) & (done.arrival_time_s <= end_s)]
+
+
+def busiest_over_mean(values) -> float:
+    """The largest of per-replica amounts over their mean (1: even; 1 when nothing was done)."""
+    total = sum(values)
+    return float(max(values) / (total / len(values))) if total else 1.0
+
+
 def routing_balance(done: pd.DataFrame, num_replicas: int) -> dict:
     """How the router spread the work: finished requests and prefilled prompt tokens (prompt
     minus prefix hit) per replica, and the busiest replica's over the mean (1: even)."""
@@ -195,9 +207,6 @@ def routing_balance(done: pd.DataFrame, num_replicas: int) -> dict:
     finished = per_replica.size().reindex(range(num_replicas), fill_value=0).to_numpy()
     prefilled = (done.prompt_tokens - done.prefix_hit_tokens).groupby(done.replica).sum() \
         .reindex(range(num_replicas), fill_value=0).to_numpy()
-
-    def busiest_over_mean(values) -> float:
-        return float(values.max() / values.mean()) if values.sum() else 1.0
     return {"finished_requests_per_replica": [int(v) for v in finished],
             "prefilled_tokens_per_replica": [int(v) for v in prefilled],
             "busiest_over_mean_finished_requests": busiest_over_mean(finished),

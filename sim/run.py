@@ -141,6 +141,7 @@ def prepare(cfg: DictConfig) -> Setup:
     if spec.quantization:  # weights (and so GEMM inputs) in the quantized type
         model = dataclasses.replace(model, weight_dtype=spec.quantization)
     _check_context_window(model, spec.max_model_len)
+    check_tensor_parallel(model, spec.tensor_parallel_size, "tensor_parallel_size")
     profile = load_profile(spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
@@ -150,7 +151,6 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                         pipeline_parallel_size=spec.pipeline_parallel_size)
-    check_tensor_parallel(model, spec.tensor_parallel_size, "tensor_parallel_size")
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")

@@ -97,24 +97,6 @@ class PrefillReplica(Replica):
         super()._commit(plan)
 
 
-def pool_routing(prefilled_tokens: list[int], finished_replicas, num_decode: int) -> dict:
-    """metrics.json's routing for two pools (replica indices: prefill first, then decode): the
-    prompt tokens each replica computed (a prefill replica its requests' prompts less their
-    prefix hits, a decode replica one token per request) and the requests each finished (decode
-    replicas only); the busiest over the mean within the pool doing that work."""
-    num_prefill = len(prefilled_tokens)
-    finished = [0] * (num_prefill + num_decode)
-    for replica in finished_replicas:
-        finished[int(replica)] += 1
-
-    def busiest_over_mean(values) -> float:
-        return max(values) * len(values) / sum(values) if sum(values) else 1.0
-    return {"finished_requests_per_replica": finished,
-            "prefilled_tokens_per_replica": [*prefilled_tokens, *finished[num_prefill:]],
-            "busiest_over_mean_finished_requests": busiest_over_mean(finished[num_prefill:]),
-            "busiest_over_mean_prefilled_tokens": busiest_over_mean(prefilled_tokens)}
-
-
 def ttft_split(stages: dict, request_ids) -> dict:
     """Mean and p90 of TTFT's parts over the given requests (the measured ones, as latency_s):
     queueing (arrival to the prefill's first step), prefill (its steps), transfer (the link),

@@ -24,6 +24,12 @@ from dataclasses import dataclass
 from sim.errors import ConfigError
 
 TIER_NAMES = ("cpu", "disk", "shared")
+TIER_SIZE_KEYS = ("cpu_gib", "disk_gib", "shared_gib")  # kv_offload.*: a size above 0 turns its tier on
+
+
+def tiers_enabled(offload) -> bool:
+    """Whether any tier is on, for an OffloadSpec or the kv_offload config node alike."""
+    return any(getattr(offload, key) for key in TIER_SIZE_KEYS)
 TIER_EVICTIONS = ("lru", "fifo")
 GiB = 2**30
 
@@ -58,7 +64,7 @@ class OffloadSpec:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.cpu_gib or self.disk_gib or self.shared_gib)
+        return tiers_enabled(self)
 
     def shared_store_gib(self, num_replicas: int) -> float:
         """The shared store's size: shared_gib, plus every replica's CPU tier when pool_cpu

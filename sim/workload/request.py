@@ -197,31 +197,35 @@ class Workload:
     # request arriving when that many are in flight is sent when one finishes. None: no cap.
     max_concurrency: int | None = None
 
+    # A streamed repeat (RepeatedSessions) answers these without building its copies.
     @property
     def num_requests(self) -> int:
-        counted = getattr(self.sessions, "num_requests", None)
-        return counted if counted is not None else sum(len(s.turns) for s in self.sessions)
+        if isinstance(self.sessions, RepeatedSessions):
+            return self.sessions.num_requests
+        return sum(len(s.turns) for s in self.sessions)
 
     @property
     def first_arrival_s(self) -> float:
-        known = getattr(self.sessions, "first_arrival_s", None)
-        return known if known is not None else min((s.arrival_time_s for s in self.sessions), default=0.0)
+        if isinstance(self.sessions, RepeatedSessions):
+            return self.sessions.first_arrival_s
+        return min((s.arrival_time_s for s in self.sessions), default=0.0)
 
     @property
     def last_arrival_s(self) -> float:
-        known = getattr(self.sessions, "last_arrival_s", None)
-        return known if known is not None else max((s.arrival_time_s for s in self.sessions), default=0.0)
+        if isinstance(self.sessions, RepeatedSessions):
+            return self.sessions.last_arrival_s
+        return max((s.arrival_time_s for s in self.sessions), default=0.0)
 
     @property
     def one_copy(self) -> Sequence[Session]:
         """The sessions of one copy of a repeated trace (all sessions otherwise): what every
         copy's requests look like, apart from their ids and times."""
-        return getattr(self.sessions, "one_copy", self.sessions)
+        return self.sessions.one_copy if isinstance(self.sessions, RepeatedSessions) else self.sessions
 
     def in_arrival_order(self):
         """The sessions in the cluster's order (arrival, session id, chain)."""
         if isinstance(self.sessions, RepeatedSessions):
-            return iter(self.sessions)
+            return iter(self.sessions)  # already in that order
         return iter(sorted(self.sessions, key=session_order))
 
 
