@@ -99,4 +99,8 @@ def test_capacity_without_a_target_and_run_with_capacity_keys_are_refused(tmp_pa
     assert_one_line_error(sim(tmp_path, "capacity", "+experiment=golden", "hydra.run.dir=x"), "slo.ttft_s")
     assert_one_line_error(sim(tmp_path, "run", "+experiment=golden", "capacity.search=replicas"),
                           "python -m sim capacity")
+    assert_one_line_error(sim(tmp_path, "capacity", "+experiment=golden", "slo.ttft_s=1", "capacity.max_replicas=4",
+                              "hydra.run.dir=y"), "capacity.max_replicas is not read", "capacity.search=rate")
+    assert_one_line_error(sim(tmp_path, "capacity", "+experiment=golden", "slo.ttft_s=1", "capacity.search=replicas",
+                              "capacity.tolerance=0.2", "hydra.run.dir=z"), "capacity.tolerance is not read")
     assert list(tmp_path.iterdir()) == []
