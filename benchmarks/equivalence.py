@@ -4,7 +4,8 @@ change leaves results identical (issue 9: seams and speed must not move a number
     python benchmarks/equivalence.py capture before.json [KEY=VALUE ...]
     python benchmarks/equivalence.py compare before.json [KEY=VALUE ...]
 
-Each case is one small run; its fingerprint is every metric (wall time dropped) and a digest of
+Each case is one small run; its fingerprint is every metric (wall time and the engine block, which
+loop ran and its events, dropped) and a digest of
 the request and timeline tables. `compare` prints each case that differs and exits 1 if any does.
 """
 from __future__ import annotations
@@ -60,6 +61,8 @@ def fingerprints(extra: list[str]) -> dict:
         for result in run_all(cfg):
             metrics = flatten(result.metrics)
             metrics.pop("wall_time_s")
+            for key in [k for k in metrics if k.startswith("engine.")]:  # which loop ran, and its events
+                metrics.pop(key)
             metrics["requests_digest"] = digest(result.requests)
             metrics["timeline_digest"] = digest(result.timeline)
             out[f"{case}/{result.allocator}"] = metrics

@@ -29,6 +29,17 @@ def profile_line(latency_profile: dict) -> str:
             f"python -m calibration show gpu={latency_profile['gpu']}")
 
 
+def loop_line(results) -> str:
+    """Which simulation loop ran each allocator, how long it took, and why not the compiled one."""
+    groups: dict[tuple, list[str]] = {}
+    for r in results:
+        engine = r.metrics["engine"]
+        groups.setdefault((engine["loop"], engine.get("why")), []).append(
+            f"{r.allocator} {r.metrics['wall_time_s']:.2f} s")
+    return "simulation loop: " + "; ".join(
+        f"{loop} for {', '.join(runs)}" + (f" ({why})" if why else "") for (loop, why), runs in groups.items())
+
+
 def kv_pool_line(results) -> str:
     """Each replica's KV pool, in the token slots each allocator gets from it."""
     pools = results[0].metrics.get("disaggregation")
@@ -88,6 +99,7 @@ def run_task(cfg: DictConfig) -> None:
         print(format_table(comparison))
         print(format_serving(comparison))
         print(kv_pool_line(results))
+        print(loop_line(results))
         pools = results[0].metrics.get("disaggregation")
         for role, profile in ([(f"{role} pool ", pools[role]["latency_profile"]) for role in ("prefill", "decode")]
                               if pools else [("", results[0].metrics["latency_profile"])]):

@@ -144,6 +144,7 @@ class RunConfig:
     quiet: bool = False
     progress: bool = True
     step_exact: bool = False
+    engine: str = "auto"
     resume: bool = False
     figures_dir: Optional[str] = None
     figures: List[str] = field(default_factory=list)
@@ -225,6 +226,7 @@ class EngineSpec:
     warmup_s: float
     exclude_drain: bool
     step_exact: bool = False
+    engine: str = "auto"  # auto | compiled | python (sim.engine.compiled.scope)
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
     quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
@@ -250,6 +252,9 @@ QUANTIZATIONS = (None, "fp8")
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
     if not condition:
         raise ConfigError(f"{what}, key {key}, {fix}")
+
+
+ENGINES = ("auto", "compiled", "python")
 
 
 def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
@@ -302,6 +307,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["cluster"]["router_staleness_s"] >= 0, "cluster.router_staleness_s",
              f"cluster.router_staleness_s={c['cluster']['router_staleness_s']} is negative",
              "give seconds >= 0 (0: the router reads replicas live)")
+    _require(c["engine"] in ENGINES, "engine", f"unknown engine '{c['engine']}'",
+             "use auto (compiled where it covers the run), compiled or python")
     sizes = c["cudagraph_capture_sizes"] or list(vllm_capture_sizes(c["max_num_seqs"]))
     _require(all(isinstance(n, int) and n >= 1 for n in sizes), "cudagraph_capture_sizes",
              f"cudagraph_capture_sizes={sizes} holds a size below 1", "give batch sizes >= 1, or null for vLLM's")
@@ -319,7 +326,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         num_replicas=c["cluster"]["num_replicas"], allocators=tuple(c["allocators"]),
         preemption_mode=c["preemption_mode"], swap_space_bytes=c["swap_space"] * 2**30,
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
-        exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"],
+        exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"], engine=c["engine"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],

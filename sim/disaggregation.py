@@ -86,6 +86,7 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
     metrics, requests, timeline = summarize_run(decode, workload, recorder, time.perf_counter() - started)
     metrics["routing"] = pool_routing(cluster.prefilled_tokens, requests.replica[requests.status == "finished"],
                                       decode.spec.num_replicas)
+    metrics["engine"] = {"loop": "python", "why": "the compiled loop does not cover disaggregated pools"}
     metrics["kv_pool"] = {"token_slots_per_replica": decode.pool.num_slots, "bytes_per_replica": decode.pool.pool_bytes,
                           "num_blocks_per_replica": decode.pool.num_blocks, "block_size": decode.pool.block_size}
     metrics["disaggregation"] = {

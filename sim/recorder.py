@@ -62,6 +62,7 @@ class Pieces:
 class Recorder:
     def __init__(self):
         self.requests: list[tuple] = []
+        self._request_frames: list[pd.DataFrame] = []
         self._rows: list[tuple] = []     # single steps not yet packed: (time_s, *INT_COLUMNS)
         self._times, self._ints = Pieces(), Pieces()    # packed timeline rows
         self._itl: list[tuple[float, float, int, int]] = []  # (time_s, gap_s, replica, count)
@@ -96,6 +97,22 @@ class Recorder:
         self._itl_floats.append(itl[:, :2].copy())
         self._itl_ints.append(np.column_stack((np.full(len(itl), record.replica, dtype=np.int32),
                                                itl[:, 2].astype(np.int32))))
+
+    def append_timeline(self, times_s: np.ndarray, ints: np.ndarray) -> None:
+        """Timeline rows in columns: each step's end and its INT_COLUMNS (the compiled loop's)."""
+        if len(times_s):
+            self._times.append(times_s)
+            self._ints.append(_compact(ints))
+
+    def append_itl(self, floats: np.ndarray, ints: np.ndarray) -> None:
+        """Inter-token gaps in columns: (time_s, gap_s) and (replica, count) rows."""
+        if len(floats):
+            self._itl_floats.append(floats)
+            self._itl_ints.append(ints.astype(np.int32))
+
+    def append_request_frame(self, frame: pd.DataFrame) -> None:
+        """Request rows in columns (REQUEST_COLUMNS), as append_finished writes them one by one."""
+        self._request_frames.append(frame)
 
     def append_finished(self, samples) -> None:
         """One row per request; with n > 1 samples, output_tokens is the longest sample's."""
@@ -140,8 +157,13 @@ class Recorder:
         """The request and timeline tables, once, at the end of a run: the records are handed
         over (a million-request run would otherwise hold them twice)."""
         requests = pd.DataFrame.from_records(self.requests, columns=REQUEST_COLUMNS)
-        self.requests = []
+        if self._request_frames:
+            requests = pd.concat([requests, *self._request_frames], ignore_index=True) if len(requests) \
+                else pd.concat(self._request_frames, ignore_index=True)
+        self.requests, self._request_frames = [], []
         requests = requests.sort_values("request_id", kind="stable").reset_index(drop=True)
+        for name in ("arrival_time_s", "first_token_time_s", "finish_time_s"):  # (SimPy's clock starts as int 0)
+            requests[name] = requests[name].astype(np.float64)
         requests["ttft_s"] = requests.first_token_time_s - requests.arrival_time_s
         requests["e2e_s"] = requests.finish_time_s - requests.arrival_time_s
         multi = requests.output_tokens > 1

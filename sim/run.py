@@ -252,13 +252,24 @@ def build_workload(cfg: DictConfig, seed: int) -> Workload:
 
 def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
              on_progress=None, queue_order_cfg=None) -> RunResult:
-    """One allocator's run; on_progress(now) is called once per request served or rejected."""
-    started = time.perf_counter()
+    """One allocator's run; on_progress(now) is called once per request served or rejected.
+    wall_time_s times the simulation loop (loading the compiled one comes before)."""
     spec = setup.spec
-    env = Environment()
     recorder = Recorder()
     router = _instantiate(router_cfg, "router config")
     queue_order = None if queue_order_cfg is None else _instantiate(queue_order_cfg, "queue_order config")
+    compiled_allocator, why_python = choose_engine(setup, workload, allocator_name, router, queue_order)
+    started = time.perf_counter()
+    if compiled_allocator is not None:
+        from sim.engine.compiled.driver import simulate_compiled
+        num_events = simulate_compiled(setup, workload, compiled_allocator, router, recorder,
+                                       on_progress or (lambda now: None))
+        metrics, requests, timeline = summarize_run(setup, workload, recorder, time.perf_counter() - started)
+        metrics["engine"] = {"loop": "compiled", "num_events": num_events}
+        metrics["kv_pool"] = _pool_facts(setup, compiled_allocator.capacity)
+        return RunResult(allocator_name, metrics, requests, timeline,
+                         OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True))
+    env = Environment()
     cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s,
                       spec.router_staleness_s)
     # A router that reads the KV pools needs them current at every arrival: no decode stretches
@@ -277,9 +288,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
     if chains:
         metrics["kv_tiers"] = tier_facts(chains, setup.pool, sum(r.kv_load_wait_s for r in cluster.replicas))
-    metrics["kv_pool"] = {"token_slots_per_replica": slots,
-                          "bytes_per_replica": setup.pool.pool_bytes,
-                          "num_blocks_per_replica": setup.pool.num_blocks, "block_size": setup.pool.block_size}
+    metrics["engine"] = {"loop": "python", "why": why_python}
+    metrics["kv_pool"] = _pool_facts(setup, slots)
     if setup.pool.layout is not None:  # window, chunk or compressed layers (sim.kvcache.hybrid)
         metrics["hybrid_kv"] = hybrid_kv_facts(setup.pool.layout, allocators)
     if workload.max_concurrency is not None:
@@ -290,6 +300,35 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
                                              if cluster.num_held_requests else 0.0)}
     return RunResult(allocator_name, metrics, requests, timeline,
                      OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True))
+
+
+def _pool_facts(setup: Setup, token_slots: int) -> dict:
+    pool = setup.pool
+    return {"token_slots_per_replica": token_slots, "bytes_per_replica": pool.pool_bytes,
+            "num_blocks_per_replica": pool.num_blocks, "block_size": pool.block_size}
+
+
+def choose_engine(setup: Setup, workload: Workload, allocator_name: str, router, queue_order):
+    """(an allocator for the compiled loop, None) when it covers the run and engine allows it;
+    else (None, why the Python engine runs it)."""
+    engine = setup.spec.engine
+    if engine == "python":
+        return None, "engine=python"
+    allocator = _instantiate(setup.allocator_configs[allocator_name], f"allocator config '{allocator_name}'",
+                             pool=setup.pool, max_model_len=setup.spec.max_model_len)
+    from sim.engine.compiled.scope import why_not_compiled
+    why = why_not_compiled(setup, workload, allocator, router, queue_order)
+    if why is None:
+        try:
+            from sim.engine.compiled.driver import warm_up  # numba
+        except ImportError as error:
+            why = f"the compiled loop needs numba ({error})"
+        else:
+            warm_up()
+    if why is not None and engine == "compiled":
+        raise ConfigError(f"engine=compiled does not cover this run: {why}, key engine, "
+                          f"use engine=auto (the Python engine where it must)")
+    return (allocator, None) if why is None else (None, f"the compiled loop does not cover it: {why}")
 
 
 def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queue_order, step_exact: bool,

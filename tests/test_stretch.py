@@ -50,7 +50,8 @@ CASES = {
 
 
 def results(overrides, step_exact):
-    cfg = compose_config("run", ["plots=false", "progress=false", *overrides, f"step_exact={step_exact}"])
+    cfg = compose_config("run", ["plots=false", "progress=false", "engine=python", *overrides,
+                                 f"step_exact={step_exact}"])
     return run_all(cfg)
 
 

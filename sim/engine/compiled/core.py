@@ -1,0 +1,495 @@
+"""The compiled cluster loop (numba): the Python engine's replicas, scheduler, paged allocator,
+router and step clock over arrays, for the runs sim.engine.compiled.scope admits.
+
+Each replica keeps the Python engine's state in rows of arrays: its running sequences in order,
+its waiting queue (a ring: preempted sequences go back to its front), its free blocks and slack
+totals, and the step in flight (planned at its start, committed at its end). The loop takes the
+earliest of: a step's end (commit, then plan the next at once), an idle replica's wake-up, the
+next request reaching the engine (route, queue). At equal times a step's end comes before a
+request, and a request before a woken replica plans, as SimPy orders them in sim.engine (see
+sim.engine.replica). Sequence ids are rows of the sequence arrays, in arrival order.
+
+Every operation is the Python engine's, in the same order, on the same floats: the step time is
+LatencyModel.breakdown summed left to right (its token-count terms come from tables the model
+itself computed, sim.engine.compiled.tables), allocation is BlockAllocator.allocate's without
+prefix caching (block ids never matter then: only counts are kept).
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+# Sequence columns (int64).
+PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
+    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS = range(12)
+SEQ_INTS = 12
+# Sequence columns (float64).
+ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH = range(5)
+SEQ_FLOATS = 5
+# Replica columns (int64).
+NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
+    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS = range(12)
+REPLICA_INTS = 12
+# Replica columns (float64).
+STEP_END, WAKE = range(2)
+# Parameters (int64).
+(P_REPLICAS, P_BLOCK_SIZE, P_NUM_BLOCKS, P_MAX_SEQS, P_BUDGET, P_CHUNKED, P_MAX_MODEL_LEN,
+ P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
+ P_NEXT_SUBMIT) = range(15)
+PARAM_INTS = 15
+# Parameters (float64).
+P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S = range(3)
+# Routers.
+ROUTE_REQUESTS, ROUTE_WAITING, ROUTE_QUEUED_TOKENS, ROUTE_ROUND_ROBIN = range(4)
+# Token-count table columns: QKV and O projections, MLP, all-reduce, all-to-all, send/recv.
+T_QKV, T_MLP, T_ALLREDUCE, T_ALL_TO_ALL, T_SEND_RECV = range(5)
+# Attention operator parameters: peak, bandwidth, e_c, e_m, t0, per sequence, causal e, heads per
+# rank, query-key width, value width, KV bytes per token per layer per rank, has a table.
+A_PEAK, A_BW, A_EC, A_EM, A_T0, A_PER_SEQ, A_CAUSAL_EC, A_HEADS, A_QK, A_V, A_KV_BYTES, A_TABLE = range(12)
+ACTIVATION_BYTES, CAUSAL_TILE = 2, 128  # sim.latency.operators
+# Timeline int columns (sim.recorder.INT_COLUMNS).
+TIMELINE_INTS = 15
+# What run() stopped at.
+DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK = range(4)
+
+jit = numba.njit(cache=True, nogil=True)
+
+
+@jit
+def _factor(grid, factors, size):
+    """CalibratedOp.factor: interpolated in log2(size), held at the edges."""
+    x = math.log2(size)
+    if x <= grid[0]:
+        return factors[0]
+    if x >= grid[-1]:
+        return factors[-1]
+    i = np.searchsorted(grid, x, side="right") - 1
+    return factors[i] + (factors[i + 1] - factors[i]) * ((x - grid[i]) / (grid[i + 1] - grid[i]))
+
+
+@jit
+def _corrected(par, grid, factors, size, flops, nbytes, num_seqs, causal_flops):
+    """CalibratedOp.corrected on Roofline.time and datasheet_time."""
+    compute = flops / (par[A_PEAK] * par[A_EC])
+    if causal_flops != 0.0:
+        compute += causal_flops / (par[A_PEAK] * par[A_CAUSAL_EC])
+    fitted = par[A_T0] + par[A_PER_SEQ] * num_seqs + max(compute, nbytes / (par[A_BW] * par[A_EM]))
+    floor = max((flops + causal_flops) / par[A_PEAK], nbytes / par[A_BW])
+    if par[A_TABLE] == 0.0 or size <= 0:
+        return max(fitted, floor)
+    return max(fitted * _factor(grid, factors, size), floor)
+
+
+@jit
+def _prefill_attention(par, grid, factors, chunks, context_pairs, causal_pairs, kv_tokens, new_tokens):
+    """LatencyModel.attention_prefill_time (sim.latency.operators.attention_prefill_work)."""
+    width = par[A_QK] + par[A_V]
+    per_pair = 2.0 * par[A_HEADS] * width
+    nbytes = kv_tokens * par[A_KV_BYTES] + new_tokens * par[A_HEADS] * width * ACTIVATION_BYTES
+    computed = causal_pairs + new_tokens * (CAUSAL_TILE - 1) / 2
+    return _corrected(par, grid, factors, new_tokens / max(chunks, 1.0), per_pair * context_pairs, nbytes,
+                      chunks, per_pair * computed)
+
+
+@jit
+def _decode_attention(par, grid, factors, num_seqs, context_tokens):
+    """LatencyModel.attention_decode_time (sim.latency.operators.attention_decode_work)."""
+    flops = 2.0 * par[A_HEADS] * (par[A_QK] + par[A_V]) * context_tokens
+    return _corrected(par, grid, factors, context_tokens, flops, context_tokens * par[A_KV_BYTES], num_seqs, 0.0)
+
+
+@jit
+def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_table, output_table,
+              capture, prefill_par, prefill_grid, prefill_factors, decode_par, decode_grid, decode_factors):
+    """sum(LatencyModel.breakdown(shape).values()) for a shape of integers: prefill tokens,
+    prefill chunks, context pairs, causal pairs, prefill KV tokens, decode sequences, decode
+    context tokens, sampled sequences."""
+    pp, layers = pi[P_PP], pi[P_LAYERS]
+    prefill_tokens, prefill_seqs, decode_seqs, sampled = shape[0], shape[1], shape[5], shape[7]
+    whole_seqs = prefill_seqs + decode_seqs
+    parts = max(1, min(pp, whole_seqs))
+    p = float(parts)
+    # The micro-batch (BatchShape.micro_batch): exact, parts being 1 or 2.
+    m_prefill_tokens, m_prefill_seqs = prefill_tokens / p, prefill_seqs / p
+    m_pairs, m_causal, m_kv = shape[2] / p, shape[3] / p, shape[4] / p
+    m_decode_seqs, m_decode_context = decode_seqs / p, shape[6] / p
+    graph = 0
+    if m_prefill_tokens == 0.0 and len(capture) and m_decode_seqs <= capture[-1]:
+        graph = capture[np.searchsorted(capture, m_decode_seqs, side="left")]
+    row = parts - 1
+    if graph:
+        per_token = graph_table[graph]
+        lm_head = lm_graph[graph]
+    else:
+        per_token = tokens_table[row, prefill_tokens + decode_seqs]
+        lm_head = lm_table[row, sampled]
+    attention_prefill = 0.0
+    if m_prefill_tokens != 0.0:
+        attention_prefill = layers * _prefill_attention(prefill_par, prefill_grid, prefill_factors, m_prefill_seqs,
+                                                        m_pairs, m_causal, m_kv, m_prefill_tokens)
+    attention_decode = 0.0
+    if m_decode_seqs != 0.0:
+        attention_decode = layers * _decode_attention(decode_par, decode_grid, decode_factors, m_decode_seqs,
+                                                      m_decode_context)
+    gpu = per_token[T_QKV] + per_token[T_MLP] + p * lm_head + attention_prefill + attention_decode \
+        + per_token[T_ALLREDUCE]
+    if pi[P_EXPERT_PARALLEL]:
+        gpu += per_token[T_ALL_TO_ALL]
+    if pp > 1:
+        gpu += (pp - 1) * per_token[T_SEND_RECV]
+        if prefill_tokens:  # the chunk crosses every stage whole (LatencyModel.breakdown)
+            chunk = tokens_table[0, prefill_tokens]
+            latency = chunk[T_QKV] + chunk[T_MLP] + 1.0 * lm_table[0, min(sampled, prefill_seqs)] \
+                + layers * _prefill_attention(prefill_par, prefill_grid, prefill_factors, float(prefill_seqs),
+                                              float(shape[2]), float(shape[3]), float(shape[4]),
+                                              float(prefill_tokens)) + 0.0 + chunk[T_ALLREDUCE]
+            if pi[P_EXPERT_PARALLEL]:
+                latency += chunk[T_ALL_TO_ALL]
+            latency += (pp - 1) * chunk[T_SEND_RECV]
+            gpu += max(0.0, latency - gpu)
+    if graph:
+        launch = p * pf[P_GRAPH_LAUNCH_S]
+    else:
+        launch = max(0.0, pf[P_EAGER_LAUNCH_S] - gpu)
+    cpu = p * cpu_table[row, whole_seqs]
+    output = p * output_table[row, whole_seqs]
+    if pi[P_ASYNC_OUTPUT]:
+        output = max(0.0, output - gpu)
+    return gpu + launch + cpu + output
+
+
+@jit
+def _slack(slots, tokens, final_len):
+    """sim.kvcache.base.slack_split: (reserved, internal fragmentation)."""
+    reserved = max(0, min(slots, final_len) - tokens)
+    return reserved, slots - tokens - reserved
+
+
+@jit
+def _count_slack(rep, r, seqs, s, size, sign):
+    reserved, internal = _slack(seqs[s, BLOCKS] * size, seqs[s, SLOTS_TOKENS], seqs[s, FINAL_LEN])
+    rep[r, TOTAL_RESERVED] += sign * reserved
+    rep[r, TOTAL_INTERNAL] += sign * internal
+
+
+@jit
+def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark):
+    """BlockAllocator.allocate without prefix caching or forks; False: no memory."""
+    size = pi[P_BLOCK_SIZE]
+    if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit, no hit)
+        end = num_new
+        needed = -(-end // size)
+        required = needed
+        if full_tokens or watermark != 0.0:
+            required = max(needed, -(-full_tokens // size)) + int(watermark * pi[P_NUM_BLOCKS])
+        if required > rep[r, FREE_BLOCKS]:
+            return False
+        rep[r, FREE_BLOCKS] -= needed
+        seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, needed, end
+        _count_slack(rep, r, seqs, s, size, 1)
+        return True
+    start = seqs[s, SLOTS_TOKENS]
+    end = start + num_new
+    if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
+        consumed = max(0, min(end, seqs[s, FINAL_LEN]) - start)
+        rep[r, TOTAL_RESERVED] -= consumed
+        rep[r, TOTAL_INTERNAL] -= num_new - consumed
+        seqs[s, SLOTS_TOKENS] = end
+        return True
+    needed = -(-end // size) - seqs[s, BLOCKS]
+    if needed > rep[r, FREE_BLOCKS]:
+        return False
+    _count_slack(rep, r, seqs, s, size, -1)
+    rep[r, FREE_BLOCKS] -= needed
+    seqs[s, BLOCKS] += needed
+    seqs[s, SLOTS_TOKENS] = end
+    _count_slack(rep, r, seqs, s, size, 1)
+    return True
+
+
+@jit
+def _free(pi, rep, r, seqs, s):
+    _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], -1)
+    rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
+    seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0, 0
+
+
+@jit
+def _waiting_at(rep, waiting, r, i):
+    return waiting[r, (rep[r, WAIT_HEAD] + i) % waiting.shape[1]]
+
+
+@jit
+def _push_front(rep, waiting, r, s):
+    head = (rep[r, WAIT_HEAD] - 1) % waiting.shape[1]
+    waiting[r, head] = s
+    rep[r, WAIT_HEAD] = head
+    rep[r, NUM_WAITING] += 1
+
+
+@jit
+def _push_back(rep, waiting, r, s):
+    waiting[r, (rep[r, WAIT_HEAD] + rep[r, NUM_WAITING]) % waiting.shape[1]] = s
+    rep[r, NUM_WAITING] += 1
+
+
+@jit
+def _pop_front(rep, waiting, r):
+    rep[r, WAIT_HEAD] = (rep[r, WAIT_HEAD] + 1) % waiting.shape[1]
+    rep[r, NUM_WAITING] -= 1
+
+
+@jit
+def _schedule(pi, pf, rep, r, seqs, running, waiting, plan):
+    """Scheduler.schedule (FCFS, recompute preemption): the plan's (sequence, new tokens) rows in
+    plan[r], its length and preemptions in rep."""
+    budget = pi[P_BUDGET]
+    num_planned = 0
+    num_preempted = 0
+    index = 0
+    while index < rep[r, NUM_RUNNING] and budget > 0:
+        s = running[r, index]
+        num_new = min(seqs[s, TOKENS] - seqs[s, COMPUTED], budget)
+        preempted_self = False
+        while not _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0):
+            last = rep[r, NUM_RUNNING] - 1  # Fcfs.victim: the newest running sequence
+            victim = running[r, last]
+            rep[r, NUM_RUNNING] = last
+            _free(pi, rep, r, seqs, victim)  # Scheduler._preempt, recompute
+            seqs[victim, PREEMPTIONS] += 1
+            seqs[victim, COMPUTED] = 0
+            _push_front(rep, waiting, r, victim)
+            num_preempted += 1
+            if victim == s:
+                preempted_self = True
+                break
+        if preempted_self:
+            break
+        plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
+        num_planned += 1
+        budget -= num_new
+        index += 1
+    if num_preempted == 0 or num_planned == 0:  # Scheduler._admit
+        while rep[r, NUM_WAITING]:
+            if rep[r, NUM_RUNNING] >= pi[P_MAX_SEQS] or budget <= 0:
+                break
+            s = _waiting_at(rep, waiting, r, 0)
+            num_new = seqs[s, TOKENS]
+            if num_new > budget:
+                if not pi[P_CHUNKED]:
+                    break
+                num_new = budget
+            full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
+            watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
+            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark):
+                break
+            _pop_front(rep, waiting, r)
+            seqs[s, COMPUTED] = 0
+            seqs[s, ADMITTED] = 1
+            running[r, rep[r, NUM_RUNNING]] = s
+            rep[r, NUM_RUNNING] += 1
+            plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
+            num_planned += 1
+            budget -= num_new
+    rep[r, PLAN_LEN], rep[r, PLAN_PREEMPTED] = num_planned, num_preempted
+
+
+@jit
+def _shape(rep, r, seqs, plan, shape):
+    """sim.scheduler.scheduler._shape of the plan, into shape (see step_time)."""
+    shape[:] = 0
+    for i in range(rep[r, PLAN_LEN]):
+        s, num_new = plan[r, i, 0], plan[r, i, 1]
+        context = seqs[s, COMPUTED]
+        if context + num_new == seqs[s, TOKENS]:
+            shape[7] += 1
+            if num_new == 1 and seqs[s, OUTPUTS]:
+                shape[5] += 1
+                shape[6] += context + 1
+                continue
+        shape[0] += num_new
+        shape[1] += 1
+        shape[4] += context + num_new
+        shape[2] += num_new * context
+        shape[3] += num_new * (num_new + 1) // 2
+
+
+@jit
+def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, finished):
+    """Scheduler.commit of the plan in flight at `now`: the sequences that finished in
+    finished[:n], the distinct inter-token gaps in gaps[:k] (first-seen order) with their
+    counts; returns (n, k, tokens sampled)."""
+    num_finished = num_gaps = num_sampled = 0
+    for i in range(rep[r, PLAN_LEN]):
+        s, num_new = plan[r, i, 0], plan[r, i, 1]
+        seqs[s, COMPUTED] += num_new
+        if seqs[s, COMPUTED] < seqs[s, TOKENS]:
+            continue
+        seqs[s, TOKENS] += 1
+        seqs[s, OUTPUTS] += 1
+        num_sampled += 1
+        if seqs[s, OUTPUTS] > 1:
+            gap = now - seq_times[s, LAST_TOKEN]
+            j = 0
+            while j < num_gaps and gaps[j] != gap:
+                j += 1
+            if j == num_gaps:
+                gaps[j], gap_counts[j] = gap, 0
+                num_gaps += 1
+            gap_counts[j] += 1
+        seq_times[s, LAST_TOKEN] = now
+        if seqs[s, OUTPUTS] == 1:
+            seq_times[s, FIRST_TOKEN] = now
+        if seqs[s, OUTPUTS] >= seqs[s, OUTPUT_LEN] or seqs[s, TOKENS] >= pi[P_MAX_MODEL_LEN]:
+            seq_times[s, FINISH] = now
+            _free(pi, rep, r, seqs, s)
+            finished[num_finished] = s
+            num_finished += 1
+    if num_finished:  # the running list without them, in order
+        kept = 0
+        for i in range(rep[r, NUM_RUNNING]):
+            s = running[r, i]
+            if seq_times[s, FINISH] != seq_times[s, FINISH]:  # NaN: not finished
+                running[r, kept] = s
+                kept += 1
+        rep[r, NUM_RUNNING] = kept
+    return num_finished, num_gaps, num_sampled
+
+
+@jit
+def _load(pi, rep, r, seqs, running, waiting):
+    """sim.router.view.ReplicaView.load for the router's metric."""
+    kind = pi[P_ROUTER]
+    if kind == ROUTE_REQUESTS:
+        return float(rep[r, NUM_RUNNING] + rep[r, NUM_WAITING])
+    if kind == ROUTE_WAITING:
+        return float(rep[r, NUM_WAITING])
+    total = 0
+    for i in range(rep[r, NUM_WAITING]):
+        s = _waiting_at(rep, waiting, r, i)
+        total += seqs[s, TOKENS] - seqs[s, COMPUTED]
+    for i in range(rep[r, NUM_RUNNING]):
+        s = running[r, i]
+        total += seqs[s, TOKENS] - seqs[s, COMPUTED]
+    return float(total)
+
+
+@jit
+def _route(pi, rep, seqs, running, waiting):
+    """The router's choice (sim.router: least loaded, ties to the lowest index; or round robin)."""
+    num = pi[P_REPLICAS]
+    if pi[P_ROUTER] == ROUTE_ROUND_ROBIN:
+        choice = pi[P_NEXT_ROUND_ROBIN] % num
+        pi[P_NEXT_ROUND_ROBIN] += 1
+        return choice
+    best, best_load = 0, _load(pi, rep, 0, seqs, running, waiting)
+    for r in range(1, num):
+        load = _load(pi, rep, r, seqs, running, waiting)
+        if load < best_load:
+            best, best_load = r, load
+    return best
+
+
+@jit
+def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, tables):
+    """The replica's next step from `now`, or idle; False: it cannot schedule its queue."""
+    (tokens_table, graph_table, lm_table, lm_graph, cpu_table, output_table, capture,
+     prefill_par, prefill_grid, prefill_factors, decode_par, decode_grid, decode_factors) = tables
+    empty_plans = 0
+    while rep[r, NUM_RUNNING] or rep[r, NUM_WAITING]:
+        _schedule(pi, pf, rep, r, seqs, running, waiting, plan)
+        if rep[r, PLAN_LEN] == 0:  # only after a step that preempted every running sequence
+            empty_plans += 1
+            if empty_plans > 1:
+                return False
+            continue
+        _shape(rep, r, seqs, plan, shape)
+        rep[r, PLAN_TOKENS] = shape[0] + shape[5]
+        rep_times[r, STEP_END] = now + step_time(
+            pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_table, output_table, capture,
+            prefill_par, prefill_grid, prefill_factors, decode_par, decode_grid, decode_factors)
+        rep[r, STEPPING] = 1
+        return True
+    rep[r, STEPPING] = 0
+    return True
+
+
+@jit
+def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, submit_end,
+        timeline_times, timeline_ints, itl_floats, itl_ints, out_counts, stuck):
+    """Advance the cluster until every request below submit_end has reached the engine and no
+    step ends before the next one does (submit_end = number of requests: to the end), or until
+    the output rows run short. out_counts receives the rows written (timeline, gaps), the
+    requests finished and the events handled (step ends, wake-ups, requests reaching the
+    engine); stuck[0] the replica that could not schedule. Returns what it stopped at."""
+    num_replicas = pi[P_REPLICAS]
+    size = pi[P_BLOCK_SIZE]
+    capacity = pi[P_NUM_BLOCKS] * size
+    num_seqs_total = seqs.shape[0]
+    shape = np.zeros(8, dtype=np.int64)
+    max_seqs = pi[P_MAX_SEQS]
+    gaps = np.empty(max_seqs, dtype=np.float64)
+    gap_counts = np.empty(max_seqs, dtype=np.int64)
+    finished = np.empty(max_seqs, dtype=np.int64)
+    rows = gap_rows = num_finished_total = events = 0
+    while True:
+        nxt = pi[P_NEXT_SUBMIT]
+        submit_s = seq_times[nxt, SUBMIT] if nxt < num_seqs_total else np.inf
+        # The earliest replica event: a step's end (<= the submit), a wake-up (< the submit).
+        who, when, is_end = -1, np.inf, False
+        for r in range(num_replicas):
+            if rep[r, STEPPING]:
+                t = rep_times[r, STEP_END]
+                if t <= submit_s and t < when:
+                    who, when, is_end = r, t, True
+            elif rep[r, WOKEN]:
+                t = rep_times[r, WAKE]
+                if t < submit_s and t < when:
+                    who, when, is_end = r, t, False
+        if who < 0:
+            if nxt >= submit_end:  # (the run's end when every request has been submitted)
+                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
+                return SUBMITS_DONE if nxt < num_seqs_total else DONE
+            # A request reaches the engine: route it, queue it, wake its replica if idle.
+            r = _route(pi, rep, seqs, running, waiting)
+            seqs[nxt, REPLICA] = r
+            _push_back(rep, waiting, r, nxt)
+            if not rep[r, STEPPING] and not rep[r, WOKEN]:
+                rep[r, WOKEN] = 1
+                rep_times[r, WAKE] = submit_s
+            pi[P_NEXT_SUBMIT] = nxt + 1
+            events += 1
+            continue
+        r = who
+        if is_end:
+            if rows + 1 > timeline_times.shape[0] or gap_rows + max_seqs > itl_floats.shape[0]:
+                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
+                return OUT_OF_ROWS
+            num_finished, num_gaps, num_sampled = _commit(pi, rep, r, seqs, seq_times, running, plan, when,
+                                                          gaps, gap_counts, finished)
+            num_finished_total += num_finished
+            # The step record (sim.engine.records.StepRecord; BlockAllocator.usage, no caching).
+            reserved, internal = rep[r, TOTAL_RESERVED], rep[r, TOTAL_INTERNAL]
+            free = rep[r, FREE_BLOCKS]
+            timeline_times[rows] = when
+            row = timeline_ints[rows]
+            row[0], row[1] = r, capacity
+            row[2] = (pi[P_NUM_BLOCKS] - free) * size - reserved - internal
+            row[3], row[4], row[5], row[6], row[7] = reserved, internal, 0, 0, free * size
+            row[8], row[9] = rep[r, PLAN_LEN], rep[r, PLAN_TOKENS]
+            row[10], row[11], row[12] = rep[r, NUM_RUNNING], rep[r, NUM_WAITING], rep[r, PLAN_PREEMPTED]
+            row[13], row[14] = 0, num_sampled
+            rows += 1
+            for j in range(num_gaps):
+                itl_floats[gap_rows, 0], itl_floats[gap_rows, 1] = when, gaps[j]
+                itl_ints[gap_rows, 0], itl_ints[gap_rows, 1] = r, gap_counts[j]
+                gap_rows += 1
+        else:
+            rep[r, WOKEN] = 0
+        events += 1
+        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables):
+            stuck[0] = r
+            out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
+            return STUCK

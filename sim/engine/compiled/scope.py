@@ -1,0 +1,44 @@
+"""Which runs the compiled loop takes (sim.engine.compiled.core), and why not the others.
+
+It covers what its arrays hold: the paged allocator without prefix caching, FCFS with recompute
+preemption, one attention kind (full, GQA or MQA; not MLA, windows or compressed layers), up to
+two pipeline stages, single-turn requests of one sample with no client cap, routing by load
+(least loaded by requests, waiting or queued tokens, live) or round robin (any router with one
+replica). Every other run takes the Python engine, and says why.
+"""
+from __future__ import annotations
+
+from sim.kvcache.block import BlockAllocator
+from sim.router.least_loaded import LeastLoaded
+from sim.router.round_robin import RoundRobin
+from sim.scheduler.queue_order import Fcfs
+
+COMPILED_LOAD_METRICS = ("requests", "waiting", "queued_tokens")
+
+
+def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | None:
+    """None when the compiled loop runs this exactly as the Python engine would; else why not."""
+    spec, model = setup.spec, setup.model
+    if spec.step_exact:
+        return "step_exact=true keeps the plain loop"
+    if type(allocator) is not BlockAllocator or allocator.enable_caching:
+        return "it covers the paged allocator without prefix caching"
+    if queue_order is not None and type(queue_order) is not Fcfs:
+        return "it covers queue_order=fcfs"
+    if spec.preemption_mode != "recompute":
+        return "it covers preemption_mode=recompute"
+    if model.is_mla or model.attention_groups or getattr(setup.pool, "layout", None) is not None:
+        return "it covers models of one full-attention kind (not MLA, window or compressed layers)"
+    if spec.pipeline_parallel_size > 2:
+        return "it covers pipeline_parallel_size up to 2"
+    if workload.max_concurrency is not None:
+        return "it does not model a client's cap on requests in flight (scenario.max_concurrency)"
+    if any(len(session.turns) != 1 or session.turns[0].n != 1 for session in workload.one_copy):
+        return "it covers single-turn requests of one sample (no sessions, n = 1)"
+    if spec.num_replicas > 1:
+        if spec.router_staleness_s:
+            return "it routes on live loads (cluster.router_staleness_s=0)"
+        if not (type(router) is RoundRobin or (type(router) is LeastLoaded
+                                                and router.metric in COMPILED_LOAD_METRICS)):
+            return "it covers router=least_loaded (requests, waiting, queued_tokens) and round_robin"
+    return None

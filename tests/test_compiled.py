@@ -1,0 +1,126 @@
+"""The compiled loop (sim.engine.compiled, issue 9) gives the Python engine's results exactly on
+every run it covers, says so in metrics.json, and leaves every other run to the Python engine
+with the reason said."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.errors import ConfigError
+from sim.metrics import flatten
+from sim.run import run_all
+from tests.conftest import compose_config
+
+SHAREGPT = ["scenario=sharegpt", "scenario.max_requests=300", "scenario.arrival_rate_rps=9.6",
+            "cluster.num_replicas=3"]
+# The golden experiment's pool (3,072 slots) under sharegpt's lengths: preemptions galore.
+TIGHT = ["gpu=a100_80g", "model=llama3_8b", "tensor_parallel_size=1", "max_model_len=2048",
+         "kv_cache_memory_bytes=402653184", "max_num_batched_tokens=1024"]
+CASES = {
+    "vidur_matched": ["+experiment=vidur_matched", "trace.max_requests=300"],
+    "least_loaded_requests": SHAREGPT,
+    "least_loaded_waiting": [*SHAREGPT, "router.metric=waiting"],
+    "least_loaded_queued_tokens": [*SHAREGPT, "router.metric=queued_tokens"],
+    "round_robin": [*SHAREGPT, "router=round_robin"],
+    "preemptions": [*SHAREGPT, *TIGHT, "scenario.arrival_rate_rps=30"],
+    "preemptions_unchunked": [*SHAREGPT, *TIGHT, "scenario.arrival_rate_rps=30", "enable_chunked_prefill=false",
+                              "max_num_batched_tokens=2048"],
+    "first_chunk_admits_with_watermark": [*SHAREGPT, *TIGHT, "scenario.arrival_rate_rps=30",
+                                          "scheduler_reserve_full_isl=false", "watermark=0.05"],
+    "eager_fp8_tp1_no_overhead": [*SHAREGPT, "enforce_eager=true", "quantization=fp8", "tensor_parallel_size=1",
+                                  "model=llama31_8b", "serving_overhead_s=0", "async_output_processing=false"],
+    "bench_all_at_once": ["scenario=bench", "model=llama31_8b", "gpu=h100", "tensor_parallel_size=1",
+                          "scenario.num_prompts=200", "scenario.input_len=512", "scenario.output_len=64",
+                          "max_num_seqs=64"],
+    "rejected_prompts_pp2": ["+experiment=vidur_matched", "trace.max_requests=300", "max_model_len=1024",
+                             "max_num_seqs=16"],
+}
+
+
+def run(overrides, engine):
+    cfg = compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *overrides,
+                                 f"engine={engine}"])
+    [result] = run_all(cfg)
+    return result
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_compiled_loop_gives_the_python_engines_results(case):
+    python, compiled = run(CASES[case], "python"), run(CASES[case], "compiled")
+    assert python.metrics.pop("engine") == {"loop": "python", "why": "engine=python"}
+    engine = compiled.metrics.pop("engine")
+    assert engine["loop"] == "compiled" and engine["num_events"] >= compiled.metrics["scheduler"]["num_steps"]
+    mp, mc = flatten(python.metrics), flatten(compiled.metrics)
+    mp.pop("wall_time_s"), mc.pop("wall_time_s")
+    assert mp == mc, (case, [k for k in mp if mp[k] != mc.get(k)])
+    pd.testing.assert_frame_equal(python.requests, compiled.requests)
+    pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
+
+
+def test_the_cases_exercise_what_they_name():
+    """Preemptions happen, prompts are rejected, several replicas serve: else the equality above
+    would check little."""
+    preempted = run(CASES["preemptions"], "compiled")
+    assert preempted.requests.num_preemptions.sum() > 10
+    rejected = run(CASES["rejected_prompts_pp2"], "compiled")
+    assert (rejected.requests.status == "rejected").sum() > 0
+    assert (rejected.requests.status == "finished").sum() > 100
+    spread = run(CASES["least_loaded_requests"], "compiled").requests.replica.value_counts()
+    assert len(spread) == 3 and spread.min() > 50
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["allocators=[prefix]"], "paged allocator without prefix caching"),
+    (["allocators=[contiguous]"], "paged allocator without prefix caching"),
+    (["scenario=rag_agents", "scenario.num_sessions=5", "measure.warmup_s=0"], "single-turn requests"),
+    (["preemption_mode=swap"], "preemption_mode=recompute"),
+    (["queue_order=priority"], "queue_order=fcfs"),
+    (["router=prefix_aware"], "router=least_loaded"),
+    (["cluster.router_staleness_s=0.5"], "live loads"),
+    (["model=deepseek_v3", "tensor_parallel_size=8", "gpu=h200"], "one full-attention kind"),
+    (["pipeline_parallel_size=4"], "pipeline_parallel_size up to 2"),
+    (["step_exact=true"], "step_exact=true keeps the plain loop"),
+])
+def test_other_runs_take_the_python_engine_and_say_why(overrides, reason):
+    base = ["cluster.num_replicas=2"]
+    if not any(o.startswith("scenario=") for o in overrides):
+        base += ["scenario=sharegpt", "scenario.max_requests=20"]
+    cfg = compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *base, *overrides])
+    [result] = run_all(cfg)
+    assert result.metrics["engine"]["loop"] == "python"
+    assert reason in result.metrics["engine"]["why"]
+    with pytest.raises(ConfigError, match="engine=compiled does not cover this run"):
+        run_all(compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *base, *overrides,
+                                       "engine=compiled"]))
+
+
+def test_the_step_clock_is_the_latency_models_bit_for_bit():
+    """core.step_time on random shapes of a TP 2 x PP 2 model with graph capture sizes, eager
+    launches and MoE-free GEMM tables equals sum(LatencyModel.breakdown(shape).values())."""
+    from sim.engine.compiled import core
+    from sim.engine.compiled.driver import _parameters
+    from sim.engine.compiled.tables import latency_tables
+    from sim.kvcache.block import BlockAllocator
+    from sim.latency.model import BatchShape
+    from sim.router.round_robin import RoundRobin
+    from sim.run import prepare
+
+    for overrides in (["+experiment=vidur_matched"], ["+experiment=vidur_matched", "async_output_processing=true",
+                                                      "pipeline_parallel_size=1"]):
+        setup = prepare(compose_config("run", overrides))
+        spec, latency = setup.spec, setup.latency
+        ints, floats = _parameters(setup, BlockAllocator(10, 16), RoundRobin())
+        tables = latency_tables(latency, spec.max_num_batched_tokens, spec.max_num_seqs)
+        rng = np.random.default_rng(3)
+        for _ in range(300):
+            decode_seqs = int(rng.integers(0, 60))
+            chunks = int(rng.integers(0, 3)) if decode_seqs else int(rng.integers(1, 3))
+            new = [int(rng.integers(1, 200)) for _ in range(chunks)]
+            cached = [int(rng.integers(0, 3000)) for _ in range(chunks)]
+            shape = BatchShape(sum(new), chunks, sum(q * c for q, c in zip(new, cached)),
+                               sum(q * (q + 1) // 2 for q in new), sum(q + c for q, c in zip(new, cached)),
+                               decode_seqs, decode_seqs * int(rng.integers(1, 4000)),
+                               decode_seqs + int(rng.integers(0, chunks + 1)))
+            row = np.array([shape.num_prefill_tokens, shape.num_prefill_seqs, shape.prefill_context_pairs,
+                            shape.prefill_causal_pairs, shape.prefill_kv_tokens, shape.num_decode_seqs,
+                            shape.decode_context_tokens, shape.num_sampled], dtype=np.int64)
+            assert core.step_time(ints, floats, row, *tables) == latency.step_time(shape), shape
