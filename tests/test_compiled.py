@@ -33,6 +33,11 @@ CASES = {
                           "max_num_seqs=64"],
     "rejected_prompts_pp2": ["+experiment=vidur_matched", "trace.max_requests=300", "max_model_len=1024",
                              "max_num_seqs=16"],
+    # Sessions: later turns sent a think time after their previous turn finishes (or is rejected).
+    "rag_agents_sessions": ["scenario=rag_agents", "scenario.num_sessions=120", "measure.warmup_s=10"],
+    "chat_sessions_rejected_turns": ["scenario=chat", "scenario.num_sessions=60", "max_model_len=3000"],
+    "agentic_chains": ["scenario=trace", "trace.path=sample:agentic", "trace.max_requests=80",
+                       "model=llama3_8b", "cluster.num_replicas=2"],
 }
 
 
@@ -66,12 +71,17 @@ def test_the_cases_exercise_what_they_name():
     assert (rejected.requests.status == "finished").sum() > 100
     spread = run(CASES["least_loaded_requests"], "compiled").requests.replica.value_counts()
     assert len(spread) == 3 and spread.min() > 50
+    chat = run(CASES["chat_sessions_rejected_turns"], "compiled").requests
+    assert (chat.status == "rejected").sum() > 0 and (chat[chat.status == "finished"].turn > 0).sum() > 50
+    assert run(CASES["agentic_chains"], "compiled").requests.session_id.duplicated().sum() > 20
 
 
 @pytest.mark.parametrize("overrides, reason", [
     (["allocators=[prefix]"], "paged allocator without prefix caching"),
     (["allocators=[contiguous]"], "paged allocator without prefix caching"),
-    (["scenario=rag_agents", "scenario.num_sessions=5", "measure.warmup_s=0"], "single-turn requests"),
+    (["scenario=synthetic", "scenario.num_requests=20", "scenario.n=4"], "requests of one sample"),
+    (["scenario=chat", "scenario.num_sessions=5", "serving_overhead_s=0", "scenario.think_time_s_mean=0"],
+     "zero think times only with a serving overhead"),
     (["preemption_mode=swap"], "preemption_mode=recompute"),
     (["queue_order=priority"], "queue_order=fcfs"),
     (["router=prefix_aware"], "router=least_loaded"),

@@ -23,11 +23,13 @@ import numpy as np
 
 # Sequence columns (int64).
 PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
-    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS = range(12)
-SEQ_INTS = 12
-# Sequence columns (float64).
-ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH = range(5)
-SEQ_FLOATS = 5
+    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS = range(14)
+SEQ_INTS = 14
+PENDING, FINISHED, REJECTED = range(3)  # STATUS
+# Sequence columns (float64): ARRIVAL when the client sends it, SUBMIT when it reaches the engine
+# (serving_overhead_s later), THINK_S the think time before it once its previous turn is done.
+ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH, THINK_S = range(6)
+SEQ_FLOATS = 6
 # Replica columns (int64).
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
     PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS = range(12)
@@ -37,10 +39,11 @@ STEP_END, WAKE = range(2)
 # Parameters (int64).
 (P_REPLICAS, P_BLOCK_SIZE, P_NUM_BLOCKS, P_MAX_SEQS, P_BUDGET, P_CHUNKED, P_MAX_MODEL_LEN,
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
- P_NEXT_SUBMIT) = range(15)
-PARAM_INTS = 15
+ P_NEXT_START, P_NUM_LATER, P_LATER_COUNT) = range(17)
+PARAM_INTS = 17
 # Parameters (float64).
-P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S = range(3)
+P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S, P_OVERHEAD_S = range(4)
+PARAM_FLOATS = 4
 # Routers.
 ROUTE_REQUESTS, ROUTE_WAITING, ROUTE_QUEUED_TOKENS, ROUTE_ROUND_ROBIN = range(4)
 # Token-count table columns: QKV and O projections, MLP, all-reduce, all-to-all, send/recv.
@@ -417,26 +420,80 @@ def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, t
 
 
 @jit
-def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, submit_end,
-        timeline_times, timeline_ints, itl_floats, itl_ints, out_counts, stuck):
-    """Advance the cluster until every request below submit_end has reached the engine and no
-    step ends before the next one does (submit_end = number of requests: to the end), or until
-    the output rows run short. out_counts receives the rows written (timeline, gaps), the
-    requests finished and the events handled (step ends, wake-ups, requests reaching the
-    engine); stuck[0] the replica that could not schedule. Returns what it stopped at."""
+def _later_push(pi, later_times, later_rows, later_order, when, s):
+    """A later turn reaching the engine at `when` (a heap by time, then by creation)."""
+    i = pi[P_NUM_LATER]
+    pi[P_NUM_LATER] = i + 1
+    order = pi[P_LATER_COUNT]
+    pi[P_LATER_COUNT] = order + 1
+    while i > 0:
+        parent = (i - 1) // 2
+        if later_times[parent] < when or (later_times[parent] == when and later_order[parent] < order):
+            break
+        later_times[i], later_rows[i], later_order[i] = later_times[parent], later_rows[parent], later_order[parent]
+        i = parent
+    later_times[i], later_rows[i], later_order[i] = when, s, order
+
+
+@jit
+def _later_pop(pi, later_times, later_rows, later_order):
+    n = pi[P_NUM_LATER] - 1
+    pi[P_NUM_LATER] = n
+    when, s, order = later_times[n], later_rows[n], later_order[n]
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and (later_times[child + 1] < later_times[child] or (
+                later_times[child + 1] == later_times[child] and later_order[child + 1] < later_order[child])):
+            child += 1
+        if when < later_times[child] or (when == later_times[child] and order < later_order[child]):
+            break
+        later_times[i], later_rows[i], later_order[i] = later_times[child], later_rows[child], later_order[child]
+        i = child
+    later_times[i], later_rows[i], later_order[i] = when, s, order
+
+
+@jit
+def _next_turn(pi, pf, seqs, seq_times, s, now, later_times, later_rows, later_order):
+    """Cluster._next_turn: the session's next turn is sent its think time after `now` and
+    reaches the engine serving_overhead_s later."""
+    nxt = seqs[s, NEXT_TURN]
+    if nxt < 0:
+        return
+    sent = now + seq_times[nxt, THINK_S]
+    seq_times[nxt, ARRIVAL] = sent
+    seq_times[nxt, SUBMIT] = sent + pf[P_OVERHEAD_S] if pf[P_OVERHEAD_S] != 0.0 else sent
+    _later_push(pi, later_times, later_rows, later_order, seq_times[nxt, SUBMIT], nxt)
+
+
+@jit
+def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, starts, start_end,
+        later_times, later_rows, later_order, timeline_times, timeline_ints, itl_floats, itl_ints,
+        out_counts, stuck):
+    """Advance the cluster until the sessions starting below start_end (starts: their first
+    turns in arrival order) have reached the engine and no step ends before the next one does
+    (start_end = len(starts): to the end), or until the output rows run short. Later turns are
+    queued as their previous turns finish. out_counts receives the rows written (timeline,
+    gaps), the requests done (finished or rejected) and the events handled (step ends, wake-ups,
+    requests reaching the engine); stuck[0] the replica that could not schedule. Returns what it
+    stopped at."""
     num_replicas = pi[P_REPLICAS]
     size = pi[P_BLOCK_SIZE]
     capacity = pi[P_NUM_BLOCKS] * size
-    num_seqs_total = seqs.shape[0]
     shape = np.zeros(8, dtype=np.int64)
     max_seqs = pi[P_MAX_SEQS]
     gaps = np.empty(max_seqs, dtype=np.float64)
     gap_counts = np.empty(max_seqs, dtype=np.int64)
     finished = np.empty(max_seqs, dtype=np.int64)
-    rows = gap_rows = num_finished_total = events = 0
+    rows = gap_rows = num_done = events = 0
     while True:
-        nxt = pi[P_NEXT_SUBMIT]
-        submit_s = seq_times[nxt, SUBMIT] if nxt < num_seqs_total else np.inf
+        # The next request to reach the engine: a session's first turn or a later turn.
+        k = pi[P_NEXT_START]
+        start_s = seq_times[starts[k], SUBMIT] if k < len(starts) else np.inf
+        later_s = later_times[0] if pi[P_NUM_LATER] else np.inf
+        submit_s = min(start_s, later_s)
         # The earliest replica event: a step's end (<= the submit), a wake-up (< the submit).
         who, when, is_end = -1, np.inf, False
         for r in range(num_replicas):
@@ -449,27 +506,40 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
                 if t < submit_s and t < when:
                     who, when, is_end = r, t, False
         if who < 0:
-            if nxt >= submit_end:  # (the run's end when every request has been submitted)
-                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
-                return SUBMITS_DONE if nxt < num_seqs_total else DONE
-            # A request reaches the engine: route it, queue it, wake its replica if idle.
+            if submit_s == np.inf or (start_s <= later_s and k >= start_end):
+                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
+                return DONE if submit_s == np.inf else SUBMITS_DONE
+            if start_s <= later_s:
+                s = starts[k]
+                pi[P_NEXT_START] = k + 1
+            else:
+                s = later_rows[0]
+                _later_pop(pi, later_times, later_rows, later_order)
+            events += 1
+            if seqs[s, PROMPT] > pi[P_MAX_MODEL_LEN]:  # rejected when sent (Cluster._submit)
+                seqs[s, STATUS] = REJECTED
+                num_done += 1
+                _next_turn(pi, pf, seqs, seq_times, s, seq_times[s, ARRIVAL], later_times, later_rows, later_order)
+                continue
+            # It reaches the engine: route it, queue it, wake its replica if idle.
             r = _route(pi, rep, seqs, running, waiting)
-            seqs[nxt, REPLICA] = r
-            _push_back(rep, waiting, r, nxt)
+            seqs[s, REPLICA] = r
+            _push_back(rep, waiting, r, s)
             if not rep[r, STEPPING] and not rep[r, WOKEN]:
                 rep[r, WOKEN] = 1
                 rep_times[r, WAKE] = submit_s
-            pi[P_NEXT_SUBMIT] = nxt + 1
-            events += 1
             continue
         r = who
         if is_end:
             if rows + 1 > timeline_times.shape[0] or gap_rows + max_seqs > itl_floats.shape[0]:
-                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
+                out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
                 return OUT_OF_ROWS
             num_finished, num_gaps, num_sampled = _commit(pi, rep, r, seqs, seq_times, running, plan, when,
                                                           gaps, gap_counts, finished)
-            num_finished_total += num_finished
+            num_done += num_finished
+            for i in range(num_finished):
+                seqs[finished[i], STATUS] = FINISHED
+                _next_turn(pi, pf, seqs, seq_times, finished[i], when, later_times, later_rows, later_order)
             # The step record (sim.engine.records.StepRecord; BlockAllocator.usage, no caching).
             reserved, internal = rep[r, TOTAL_RESERVED], rep[r, TOTAL_INTERNAL]
             free = rep[r, FREE_BLOCKS]
@@ -491,5 +561,5 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
         events += 1
         if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables):
             stuck[0] = r
-            out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_finished_total, events
+            out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
             return STUCK

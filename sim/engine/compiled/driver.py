@@ -14,35 +14,37 @@ from sim.recorder import REQUEST_COLUMNS, Recorder
 from sim.router.round_robin import RoundRobin
 
 ROWS_PER_CALL = 1 << 16          # timeline rows the loop writes before handing them over
-REQUESTS_PER_CALL = 1 << 14      # requests submitted per call (progress is reported between calls)
+SESSIONS_PER_CALL = 1 << 14      # sessions started per call (progress is reported between calls)
 ROUTERS = {"requests": core.ROUTE_REQUESTS, "waiting": core.ROUTE_WAITING,
            "queued_tokens": core.ROUTE_QUEUED_TOKENS}
 
 
-def _requests(workload, max_model_len: int, serving_overhead_s: float, recorder: Recorder, on_progress):
-    """The served requests in arrival order, with their arrival and submit times as the cluster's
-    SimPy clock reaches them (one addition after another); prompts over max_model_len are
-    rejected on arrival, as sim.engine.cluster does."""
-    requests, arrivals, submits = [], [], []
+def _requests(workload, serving_overhead_s: float):
+    """Every request in rows: sessions (and their chains) in the cluster's arrival order, each
+    session's turns one after another. Returns the requests, each session's first row, the next
+    turn's row of each row (-1: none), each row's think time, and the first rows' arrival and
+    submit times as the cluster's SimPy clock reaches them (one addition after another)."""
+    requests, starts, next_turn, think, arrivals = [], [], [], [], []
     now = 0.0
     for session in workload.in_arrival_order():
         if session.arrival_time_s > now:
             now = now + (session.arrival_time_s - now)
-        request = session.turns[0]
-        if request.prompt_len > max_model_len:
-            recorder.append_rejected(request, now)
-            on_progress(now)
-            continue
-        requests.append(request)
+        starts.append(len(requests))
         arrivals.append(now)
-        submits.append(now + serving_overhead_s if serving_overhead_s else now)
-    return requests, np.array(arrivals, dtype=np.float64), np.array(submits, dtype=np.float64)
+        for turn, request in enumerate(session.turns):
+            requests.append(request)
+            next_turn.append(len(requests) if turn + 1 < len(session.turns) else -1)
+            think.append(request.think_time_s)
+    arrivals = np.array(arrivals, dtype=np.float64)
+    submits = arrivals + serving_overhead_s if serving_overhead_s else arrivals
+    return (requests, np.array(starts, dtype=np.int64), np.array(next_turn, dtype=np.int64),
+            np.array(think, dtype=np.float64), arrivals, submits)
 
 
 def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
     spec = setup.spec
     ints = np.zeros(core.PARAM_INTS, dtype=np.int64)
-    floats = np.zeros(3, dtype=np.float64)
+    floats = np.zeros(core.PARAM_FLOATS, dtype=np.float64)
     ints[core.P_REPLICAS], ints[core.P_BLOCK_SIZE], ints[core.P_NUM_BLOCKS] = (
         spec.num_replicas, allocator.block_size, allocator.num_blocks)
     ints[core.P_MAX_SEQS], ints[core.P_BUDGET] = spec.max_num_seqs, spec.max_num_batched_tokens
@@ -50,7 +52,7 @@ def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
     ints[core.P_RESERVE_FULL] = int(spec.scheduler_reserve_full_isl)
     ints[core.P_ROUTER] = (core.ROUTE_ROUND_ROBIN if type(router) is RoundRobin or spec.num_replicas == 1
                            else ROUTERS[router.metric])
-    floats[core.P_WATERMARK] = spec.watermark
+    floats[core.P_WATERMARK], floats[core.P_OVERHEAD_S] = spec.watermark, spec.serving_overhead_s
     latency_ints, latency_floats = latency_parameters(setup.latency)
     for index, value in latency_ints.items():
         ints[index] = value
@@ -59,82 +61,97 @@ def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
+def _state(num: int, num_replicas: int, max_seqs: int) -> tuple:
+    """Zeroed arrays of core.run for num requests on num_replicas replicas: sequences (ints,
+    floats), replicas (ints, floats), running lists, waiting rings, plans, later turns (times,
+    rows, creation order)."""
+    seqs = np.zeros((num, core.SEQ_INTS), dtype=np.int64)
+    seq_times = np.full((num, core.SEQ_FLOATS), math.nan)
+    rep = np.zeros((num_replicas, core.REPLICA_INTS), dtype=np.int64)
+    rep_times = np.zeros((num_replicas, 2))
+    running = np.zeros((num_replicas, max_seqs), dtype=np.int64)
+    waiting = np.zeros((num_replicas, max(num, 1)), dtype=np.int64)
+    plan = np.zeros((num_replicas, max_seqs, 2), dtype=np.int64)
+    later = (np.zeros(max(num, 1)), np.zeros(max(num, 1), dtype=np.int64), np.zeros(max(num, 1), dtype=np.int64))
+    return seqs, seq_times, rep, rep_times, running, waiting, plan, later
+
+
+def _outputs(rows: int, max_seqs: int) -> tuple:
+    """Buffers for rows timeline rows and their gaps (core.run fills and hands them over)."""
+    return (np.empty(rows), np.empty((rows, core.TIMELINE_INTS), dtype=np.int64),
+            np.empty((rows + max_seqs, 2)), np.empty((rows + max_seqs, 2), dtype=np.int64))
+
+
 def warm_up() -> None:
     """Load the compiled loop (numba's cache, or a first compile) before a run is timed: a run
     of no requests through the same types."""
-    ints, floats = np.zeros(core.PARAM_INTS, dtype=np.int64), np.zeros(3)
+    ints, floats = np.zeros(core.PARAM_INTS, dtype=np.int64), np.zeros(core.PARAM_FLOATS)
     ints[core.P_REPLICAS] = ints[core.P_MAX_SEQS] = 1
-    i1, i2, i3 = (np.zeros((1,) * n, dtype=np.int64) for n in (1, 2, 3))
+    i1 = np.zeros(1, dtype=np.int64)
     f1, f2, f3 = (np.zeros((1,) * n) for n in (1, 2, 3))
     tables = (f3, f2, f2, f1, f2, f2, i1, f1, f1, f1, f1, f1, f1)
-    core.run(ints, floats, np.zeros((0, core.SEQ_INTS), dtype=np.int64), np.zeros((0, core.SEQ_FLOATS)),
-             np.zeros((1, core.REPLICA_INTS), dtype=np.int64), np.zeros((1, 2)), i2, i2, i3, tables, 0,
-             f1, np.zeros((1, core.TIMELINE_INTS), dtype=np.int64), f2, i2, np.zeros(4, dtype=np.int64), i1)
+    seqs, seq_times, rep, rep_times, running, waiting, plan, later = _state(0, 1, 1)
+    core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
+             np.zeros(0, dtype=np.int64), 0, *later, *_outputs(1, 1), np.zeros(4, dtype=np.int64), i1)
 
 
 def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on_progress) -> int:
     """The run as the Python engine would make it, recorded in the same rows; returns the
     events the loop handled."""
     spec = setup.spec
-    requests, arrivals, submits = _requests(workload, spec.max_model_len, spec.serving_overhead_s,
-                                            recorder, on_progress)
+    requests, starts, next_turn, think, arrivals, submits = _requests(workload, spec.serving_overhead_s)
     num, num_replicas, max_seqs = len(requests), spec.num_replicas, spec.max_num_seqs
-    first_arrival = workload.first_arrival_s
     empty = allocator.usage()
     for index in range(num_replicas):
-        recorder.append_step(StepRecord(index, first_arrival, empty, 0, 0, 0, 0))
-    seqs = np.zeros((max(num, 1), core.SEQ_INTS), dtype=np.int64)
+        recorder.append_step(StepRecord(index, workload.first_arrival_s, empty, 0, 0, 0, 0))
+    seqs, seq_times, rep, rep_times, running, waiting, plan, later = _state(num, num_replicas, max_seqs)
     prompts = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=num)
     outputs = np.fromiter((r.output_len for r in requests), dtype=np.int64, count=num)
-    seqs[:num, core.PROMPT] = seqs[:num, core.TOKENS] = prompts
-    seqs[:num, core.OUTPUT_LEN] = outputs
-    seqs[:num, core.FINAL_LEN] = np.minimum(prompts + outputs, spec.max_model_len)
+    seqs[:, core.PROMPT] = seqs[:, core.TOKENS] = prompts
+    seqs[:, core.OUTPUT_LEN] = outputs
+    seqs[:, core.FINAL_LEN] = np.minimum(prompts + outputs, spec.max_model_len)
     seqs[:, core.REPLICA] = -1
-    seq_times = np.full((max(num, 1), core.SEQ_FLOATS), math.nan)
-    seq_times[:num, core.ARRIVAL], seq_times[:num, core.SUBMIT] = arrivals, submits
-    seqs, seq_times = seqs[:num], seq_times[:num]
-    rep = np.zeros((num_replicas, core.REPLICA_INTS), dtype=np.int64)
+    seqs[:, core.NEXT_TURN] = next_turn
+    seq_times[:, core.THINK_S] = think
+    seq_times[starts, core.ARRIVAL], seq_times[starts, core.SUBMIT] = arrivals, submits
     rep[:, core.FREE_BLOCKS] = allocator.num_blocks
-    rep_times = np.zeros((num_replicas, 2))
-    running = np.zeros((num_replicas, max_seqs), dtype=np.int64)
-    waiting = np.zeros((num_replicas, max(num, 1)), dtype=np.int64)
-    plan = np.zeros((num_replicas, max_seqs, 2), dtype=np.int64)
     ints, floats = _parameters(setup, allocator, router)
     tables = latency_tables(setup.latency, spec.max_num_batched_tokens, max_seqs)
-    timeline_times = np.empty(ROWS_PER_CALL)
-    timeline_ints = np.empty((ROWS_PER_CALL, core.TIMELINE_INTS), dtype=np.int64)
-    itl_floats = np.empty((ROWS_PER_CALL + max_seqs, 2))
-    itl_ints = np.empty((ROWS_PER_CALL + max_seqs, 2), dtype=np.int64)
+    buffers = _outputs(ROWS_PER_CALL, max_seqs)
     counts, stuck = np.zeros(4, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    num_events = 0
-    submit_end = 0
+    num_events, start_end, now = 0, 0, 0.0
     while True:
-        if ints[core.P_NEXT_SUBMIT] >= submit_end:
-            submit_end = min(num, submit_end + REQUESTS_PER_CALL)
+        if ints[core.P_NEXT_START] >= start_end:
+            start_end = min(len(starts), start_end + SESSIONS_PER_CALL)
         status = core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
-                          submit_end, timeline_times, timeline_ints, itl_floats, itl_ints, counts, stuck)
-        rows, gap_rows, finished, events = (int(c) for c in counts)
+                          starts, start_end, *later, *buffers, counts, stuck)
+        rows, gap_rows, done, events = (int(c) for c in counts)
         num_events += events
+        timeline_times, timeline_ints, itl_floats, itl_ints = buffers
         recorder.append_timeline(timeline_times[:rows].copy(), timeline_ints[:rows])
         recorder.append_itl(itl_floats[:gap_rows].copy(), itl_ints[:gap_rows])
-        if finished:
-            last = float(timeline_times[rows - 1])
-            for _ in range(finished):
-                on_progress(last)
+        now = float(timeline_times[rows - 1]) if rows else now
+        for _ in range(done):
+            on_progress(now)
         if status == core.STUCK:
             raise RuntimeError(f"replica {int(stuck[0])} cannot schedule its waiting queue")
         if status == core.DONE:
             break
-    recorder.append_request_frame(_finished_frame(requests, seqs, seq_times))
+    recorder.append_request_frame(_request_frame(requests, seqs, seq_times))
     return num_events
 
 
-def _finished_frame(requests, seqs: np.ndarray, seq_times: np.ndarray) -> pd.DataFrame:
-    """Recorder.append_finished's rows of every request (each served, one sample)."""
-    outputs = seqs[:, core.OUTPUTS]
+def _request_frame(requests, seqs: np.ndarray, seq_times: np.ndarray) -> pd.DataFrame:
+    """The rows Recorder.append_finished and append_rejected write, of every request done."""
+    done = seqs[:, core.STATUS] != core.PENDING
+    seqs, seq_times = seqs[done], seq_times[done]
+    requests = [r for r, d in zip(requests, done.tolist()) if d]
+    finished = seqs[:, core.STATUS] == core.FINISHED
+    outputs = np.where(finished, seqs[:, core.OUTPUTS], 0)
     columns = {
         "request_id": [r.request_id for r in requests], "session_id": [r.session_id for r in requests],
-        "turn": [r.turn for r in requests], "replica": seqs[:, core.REPLICA], "status": "finished",
+        "turn": [r.turn for r in requests], "replica": np.where(finished, seqs[:, core.REPLICA], -1),
+        "status": np.where(finished, "finished", "rejected").astype(object),
         "arrival_time_s": seq_times[:, core.ARRIVAL], "first_token_time_s": seq_times[:, core.FIRST_TOKEN],
         "finish_time_s": seq_times[:, core.FINISH], "prompt_tokens": seqs[:, core.PROMPT],
         "output_tokens": outputs, "total_output_tokens": outputs, "num_samples": 1, "prefix_hit_tokens": 0,

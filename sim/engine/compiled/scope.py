@@ -2,7 +2,7 @@
 
 It covers what its arrays hold: the paged allocator without prefix caching, FCFS with recompute
 preemption, one attention kind (full, GQA or MQA; not MLA, windows or compressed layers), up to
-two pipeline stages, single-turn requests of one sample with no client cap, routing by load
+two pipeline stages, sessions of requests of one sample with no client cap, routing by load
 (least loaded by requests, waiting or queued tokens, live) or round robin (any router with one
 replica). Every other run takes the Python engine, and says why.
 """
@@ -33,8 +33,13 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
         return "it covers pipeline_parallel_size up to 2"
     if workload.max_concurrency is not None:
         return "it does not model a client's cap on requests in flight (scenario.max_concurrency)"
-    if any(len(session.turns) != 1 or session.turns[0].n != 1 for session in workload.one_copy):
-        return "it covers single-turn requests of one sample (no sessions, n = 1)"
+    if any(request.n != 1 for session in workload.one_copy for request in session.turns):
+        return "it covers requests of one sample (n = 1)"
+    if not spec.serving_overhead_s and any(request.think_time_s == 0 for session in workload.one_copy
+                                           for request in session.turns[1:]):
+        # A turn sent at the instant its previous one finished: SimPy's order of events created
+        # at one instant decides which step sees it (sim.engine.replica), which the loop does not keep.
+        return "it covers zero think times only with a serving overhead (serving_overhead_s > 0)"
     if spec.num_replicas > 1:
         if spec.router_staleness_s:
             return "it routes on live loads (cluster.router_staleness_s=0)"
