@@ -38,19 +38,26 @@ CASES = {
     "chat_sessions_rejected_turns": ["scenario=chat", "scenario.num_sessions=60", "max_model_len=3000"],
     "agentic_chains": ["scenario=trace", "trace.path=sample:agentic", "trace.max_requests=80",
                        "model=llama3_8b", "cluster.num_replicas=2"],
+    # The golden run: a memory-bound rag_agents whose prefix cache evicts and revives blocks.
+    "golden": ["+experiment=golden"],
+    "golden_block_1": ["+experiment=golden", "block_size=1"],
+    "golden_first_chunk_admits": ["+experiment=golden", "scheduler_reserve_full_isl=false",
+                                  "max_num_batched_tokens=256"],
+    "golden_unchunked": ["+experiment=golden", "enable_chunked_prefill=false", "max_num_batched_tokens=2048"],
 }
 
 
-def run(overrides, engine):
-    cfg = compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *overrides,
+def run(overrides, engine, allocator="paged"):
+    cfg = compose_config("run", ["plots=false", "progress=false", f"allocators=[{allocator}]", *overrides,
                                  f"engine={engine}"])
     [result] = run_all(cfg)
     return result
 
 
+@pytest.mark.parametrize("allocator", ["paged", "prefix"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_compiled_loop_gives_the_python_engines_results(case):
-    python, compiled = run(CASES[case], "python"), run(CASES[case], "compiled")
+def test_the_compiled_loop_gives_the_python_engines_results(case, allocator):
+    python, compiled = run(CASES[case], "python", allocator), run(CASES[case], "compiled", allocator)
     assert python.metrics.pop("engine") == {"loop": "python", "why": "engine=python"}
     engine = compiled.metrics.pop("engine")
     assert engine["loop"] == "compiled" and engine["num_events"] >= compiled.metrics["scheduler"]["num_steps"]
@@ -71,14 +78,18 @@ def test_the_cases_exercise_what_they_name():
     assert (rejected.requests.status == "finished").sum() > 100
     spread = run(CASES["least_loaded_requests"], "compiled").requests.replica.value_counts()
     assert len(spread) == 3 and spread.min() > 50
+    golden = run(CASES["golden"], "compiled", "prefix")
+    assert golden.requests.prefix_hit_tokens.sum() > 0 and golden.timeline.cached_idle.max() > 0
     chat = run(CASES["chat_sessions_rejected_turns"], "compiled").requests
     assert (chat.status == "rejected").sum() > 0 and (chat[chat.status == "finished"].turn > 0).sum() > 50
     assert run(CASES["agentic_chains"], "compiled").requests.session_id.duplicated().sum() > 20
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["allocators=[prefix]"], "paged allocator without prefix caching"),
-    (["allocators=[contiguous]"], "paged allocator without prefix caching"),
+    (["allocators=[contiguous]"], "paged and prefix allocators"),
+    (["allocators=[radix]"], "paged and prefix allocators"),
+    (["allocators=[prefix]", "+allocator_options.prefix.eviction=lfu"], "LRU eviction"),
+    (["allocators=[prefix]", "kv_offload.cpu_gib=1"], "KV tiers"),
     (["scenario=synthetic", "scenario.num_requests=20", "scenario.n=4"], "requests of one sample"),
     (["scenario=chat", "scenario.num_sessions=5", "serving_overhead_s=0", "scenario.think_time_s_mean=0"],
      "zero think times only with a serving overhead"),
@@ -92,14 +103,15 @@ def test_the_cases_exercise_what_they_name():
 ])
 def test_other_runs_take_the_python_engine_and_say_why(overrides, reason):
     base = ["cluster.num_replicas=2"]
+    allocator = next((o for o in overrides if o.startswith("allocators=")), "allocators=[paged]")
     if not any(o.startswith("scenario=") for o in overrides):
         base += ["scenario=sharegpt", "scenario.max_requests=20"]
-    cfg = compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *base, *overrides])
+    cfg = compose_config("run", ["plots=false", "progress=false", allocator, *base, *overrides])
     [result] = run_all(cfg)
     assert result.metrics["engine"]["loop"] == "python"
     assert reason in result.metrics["engine"]["why"]
     with pytest.raises(ConfigError, match="engine=compiled does not cover this run"):
-        run_all(compose_config("run", ["plots=false", "progress=false", "allocators=[paged]", *base, *overrides,
+        run_all(compose_config("run", ["plots=false", "progress=false", allocator, *base, *overrides,
                                        "engine=compiled"]))
 
 

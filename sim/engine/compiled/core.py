@@ -23,8 +23,9 @@ import numpy as np
 
 # Sequence columns (int64).
 PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
-    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS = range(14)
-SEQ_INTS = 14
+    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, SLOT, KEYED, SEGMENTS, \
+    NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(21)
+SEQ_INTS = 21
 PENDING, FINISHED, REJECTED = range(3)  # STATUS
 # Sequence columns (float64): ARRIVAL when the client sends it, SUBMIT when it reaches the engine
 # (serving_overhead_s later), THINK_S the think time before it once its previous turn is done.
@@ -32,15 +33,25 @@ ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH, THINK_S = range(6)
 SEQ_FLOATS = 6
 # Replica columns (int64).
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
-    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS = range(12)
-REPLICA_INTS = 12
+    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS, QUEUE_HEAD, QUEUE_LEN, CACHED_FREE, \
+    EVER_KEYED, FREE_SLOTS, CACHED_DELETED = range(18)
+REPLICA_INTS = 18
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
 (P_REPLICAS, P_BLOCK_SIZE, P_NUM_BLOCKS, P_MAX_SEQS, P_BUDGET, P_CHUNKED, P_MAX_MODEL_LEN,
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
- P_NEXT_START, P_NUM_LATER, P_LATER_COUNT) = range(17)
-PARAM_INTS = 17
+ P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING) = range(18)
+PARAM_INTS = 18
+# The block pool with prefix caching (pool = core.run's tuple): per replica, each block's
+# reference count, whether it holds a key, its key (prefix id, content id, offset), revivals'
+# stale entries in the free queue, the free queue (a ring of block ids, LRU order), each running
+# sequence's block table (by slot) and the free slots; the cached blocks by key (BlockPool.cached,
+# an open-addressing table per replica: keys, and blocks with EMPTY and DELETED marks); the
+# requests' prompt segments as rows (start, length, content id, prefix id before it).
+POOL_REF, POOL_HAS_KEY, POOL_KEYS, POOL_STALE, POOL_QUEUE, POOL_TABLES, POOL_SLOTS, POOL_CACHED_KEYS, \
+    POOL_CACHED_BLOCKS, POOL_SEGMENTS = range(10)
+EMPTY, DELETED = -1, -2
 # Parameters (float64).
 P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S, P_OVERHEAD_S = range(4)
 PARAM_FLOATS = 4
@@ -178,20 +189,258 @@ def _count_slack(rep, r, seqs, s, size, sign):
 
 
 @jit
-def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark):
-    """BlockAllocator.allocate without prefix caching or forks; False: no memory."""
-    size = pi[P_BLOCK_SIZE]
-    if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit, no hit)
-        end = num_new
-        needed = -(-end // size)
+def _block_key(pi, seqs, segments, s, i):
+    """Request.prefix_key((i + 1) * block_size) as (prefix id, content id, offset): the segment
+    holding the block's last token (the last of equal starts), or the output after the prompt."""
+    end = (i + 1) * pi[P_BLOCK_SIZE]
+    prompt = seqs[s, PROMPT]
+    if end > prompt:
+        return seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
+    j = _first_segment(seqs, segments, s, end)
+    return segments[j, 3], segments[j, 2], end - segments[j, 0]
+
+
+@jit
+def _slot_of(keys, r, prefix, content, offset):
+    """Where (prefix, content, offset) starts its probe in replica r's table (a power of two)."""
+    mixed = (np.uint64(prefix) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(content) * np.uint64(0xC2B2AE3D27D4EB4F)) \
+        ^ (np.uint64(offset) * np.uint64(0x165667B19E3779F9))
+    mixed ^= mixed >> np.uint64(29)
+    return np.int64(mixed & np.uint64(keys.shape[1] - 1))
+
+
+@jit
+def _cached_block(pool, r, prefix, content, offset):
+    """BlockPool.cached.get(key): the block a lookup finds for the key, or -1."""
+    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
+    mask = keys.shape[1] - 1
+    i = _slot_of(keys, r, prefix, content, offset)
+    while True:
+        block = blocks[r, i]
+        if block == EMPTY:
+            return -1
+        if block != DELETED and keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
+            return block
+        i = (i + 1) & mask
+
+
+@jit
+def _cache_block(rep, pool, r, prefix, content, offset, block):
+    """cached.setdefault(key, block): the key keeps the block it has."""
+    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
+    mask = keys.shape[1] - 1
+    i = _slot_of(keys, r, prefix, content, offset)
+    free = -1
+    while True:
+        here = blocks[r, i]
+        if here == EMPTY:
+            break
+        if here == DELETED:
+            if free < 0:
+                free = i
+        elif keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
+            return
+        i = (i + 1) & mask
+    if free >= 0:
+        i = free
+        rep[r, CACHED_DELETED] -= 1
+    blocks[r, i] = block
+    keys[r, i, 0], keys[r, i, 1], keys[r, i, 2] = prefix, content, offset
+
+
+@jit
+def _uncache_block(rep, pool, r, prefix, content, offset, block):
+    """del cached[key] if the key finds this block (BlockPool.take's eviction)."""
+    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
+    mask = keys.shape[1] - 1
+    i = _slot_of(keys, r, prefix, content, offset)
+    while True:
+        here = blocks[r, i]
+        if here == EMPTY:
+            return
+        if here != DELETED and keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
+            if here == block:
+                blocks[r, i] = DELETED
+                rep[r, CACHED_DELETED] += 1
+                if rep[r, CACHED_DELETED] > keys.shape[1] // 4:
+                    _rehash(rep, pool, r)
+            return
+        i = (i + 1) & mask
+
+
+@jit
+def _rehash(rep, pool, r):
+    """Replica r's table without its DELETED marks (the same keys and blocks)."""
+    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
+    live_keys = keys[r].copy()
+    live_blocks = blocks[r].copy()
+    blocks[r, :] = EMPTY
+    rep[r, CACHED_DELETED] = 0
+    for i in range(len(live_blocks)):
+        if live_blocks[i] >= 0:
+            _cache_block(rep, pool, r, live_keys[i, 0], live_keys[i, 1], live_keys[i, 2], live_blocks[i])
+
+
+@jit
+def _first_segment(seqs, segments, s, end):
+    """The last of s's segments starting at or before token end - 1."""
+    first, count = seqs[s, SEGMENTS], seqs[s, NUM_SEGMENTS]
+    low, high = first, first + count
+    while high - low > 1:
+        middle = (low + high) // 2
+        if segments[middle, 0] <= end - 1:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+@jit
+def _lookup(pi, seqs, pool, r, s, hit_blocks):
+    """BlockAllocator.lookup_prefix: cached full blocks at the start of s, never its last token
+    (a pure query); their ids in hit_blocks, their count returned."""
+    if not pi[P_CACHING]:
+        return 0
+    segments, size = pool[POOL_SEGMENTS], pi[P_BLOCK_SIZE]
+    count = (seqs[s, TOKENS] - 1) // size
+    prompt, j = seqs[s, PROMPT], seqs[s, SEGMENTS]
+    last_segment = j + seqs[s, NUM_SEGMENTS] - 1
+    for i in range(count):
+        end = (i + 1) * size
+        if end > prompt:
+            prefix, content, offset = seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
+        else:
+            while j < last_segment and segments[j + 1, 0] <= end - 1:
+                j += 1
+            prefix, content, offset = segments[j, 3], segments[j, 2], end - segments[j, 0]
+        block = _cached_block(pool, r, prefix, content, offset)
+        if block < 0:
+            return i
+        hit_blocks[i] = block
+    return count
+
+
+@jit
+def _take(pi, rep, r, pool, count, table, at):
+    """BlockPool.take in LRU's free order: count blocks into table[at:], their keys dropped."""
+    ref, has_key, keys, stale, queue = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_KEYS], pool[POOL_STALE], \
+        pool[POOL_QUEUE]
+    length = queue.shape[1]
+    rep[r, FREE_BLOCKS] -= count
+    evicted = taken = 0
+    while taken < count:
+        block = queue[r, rep[r, QUEUE_HEAD]]
+        rep[r, QUEUE_HEAD] = (rep[r, QUEUE_HEAD] + 1) % length
+        rep[r, QUEUE_LEN] -= 1
+        if stale[r, block]:  # an entry a revival left behind
+            stale[r, block] -= 1
+            continue
+        if rep[r, EVER_KEYED] and has_key[r, block]:
+            evicted += 1
+            _uncache_block(rep, pool, r, keys[r, block, 0], keys[r, block, 1], keys[r, block, 2], block)
+            has_key[r, block] = 0
+        ref[r, block] = 1
+        table[at + taken] = block
+        taken += 1
+    rep[r, CACHED_FREE] -= evicted
+
+
+@jit
+def _release(pi, rep, r, pool, table, num_blocks):
+    """BlockPool.release of table[:num_blocks] deepest first: a block whose count reaches 0 joins
+    the free queue (compacted first when it would overflow; its order kept)."""
+    ref, has_key, stale, queue = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_STALE], pool[POOL_QUEUE]
+    length = queue.shape[1]
+    if rep[r, QUEUE_LEN] + num_blocks > length:
+        kept, head = 0, rep[r, QUEUE_HEAD]
+        for i in range(rep[r, QUEUE_LEN]):
+            block = queue[r, (head + i) % length]
+            if stale[r, block]:
+                stale[r, block] -= 1
+            else:
+                queue[r, (head + kept) % length] = block
+                kept += 1
+        rep[r, QUEUE_LEN] = kept
+    for i in range(num_blocks - 1, -1, -1):
+        block = table[i]
+        ref[r, block] -= 1
+        if ref[r, block] == 0:
+            queue[r, (rep[r, QUEUE_HEAD] + rep[r, QUEUE_LEN]) % length] = block
+            rep[r, QUEUE_LEN] += 1
+            rep[r, FREE_BLOCKS] += 1
+            if rep[r, EVER_KEYED] and has_key[r, block]:
+                rep[r, CACHED_FREE] += 1
+
+
+@jit
+def _touch(rep, r, pool, hit_blocks, num_hit):
+    """BlockPool.touch: one more reference to each hit block, out of the free queue if free."""
+    ref, has_key, stale = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_STALE]
+    for i in range(num_hit):
+        block = hit_blocks[i]
+        if ref[r, block] == 0:
+            rep[r, FREE_BLOCKS] -= 1
+            if has_key[r, block]:
+                rep[r, CACHED_FREE] -= 1
+            stale[r, block] += 1
+        ref[r, block] += 1
+
+
+@jit
+def _key_full_blocks(pi, rep, r, seqs, pool, s, end):
+    """BlockAllocator.key_full_blocks: the blocks tokens up to `end` filled get their keys (a
+    block keyed already keeps its key; the first block with a key is the one lookups find)."""
+    first, last = seqs[s, KEYED], end // pi[P_BLOCK_SIZE]
+    if last <= first:
+        return
+    has_key, keys, segments = pool[POOL_HAS_KEY], pool[POOL_KEYS], pool[POOL_SEGMENTS]
+    table = pool[POOL_TABLES][r, seqs[s, SLOT]]
+    rep[r, EVER_KEYED] = 1
+    for i in range(first, last):
+        block = table[i]
+        if not has_key[r, block]:
+            prefix, content, offset = _block_key(pi, seqs, segments, s, i)
+            has_key[r, block] = 1
+            keys[r, block, 0], keys[r, block, 1], keys[r, block, 2] = prefix, content, offset
+            _cache_block(rep, pool, r, prefix, content, offset, block)
+    seqs[s, KEYED] = last
+
+
+@jit
+def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hit_blocks, num_hit):
+    """BlockAllocator.allocate without forks (so without copy-on-write); on admission (s holds
+    no blocks) after a prefix hit of num_hit blocks (hit_blocks). False: no memory. Without
+    prefix caching only counts are kept (block ids never matter then)."""
+    size, caching = pi[P_BLOCK_SIZE], pi[P_CACHING]
+    if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit)
+        end = num_hit * size + num_new
+        needed = -(-end // size) - num_hit
         required = needed
         if full_tokens or watermark != 0.0:
-            required = max(needed, -(-full_tokens // size)) + int(watermark * pi[P_NUM_BLOCKS])
-        if required > rep[r, FREE_BLOCKS]:
+            required = max(needed, -(-full_tokens // size) - num_hit) + int(watermark * pi[P_NUM_BLOCKS])
+        revived = 0
+        if caching:
+            ref = pool[POOL_REF]
+            for i in range(num_hit):
+                revived += ref[r, hit_blocks[i]] == 0
+        if required > rep[r, FREE_BLOCKS] - revived:
             return False
-        rep[r, FREE_BLOCKS] -= needed
-        seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, needed, end
+        if caching:
+            slots = pool[POOL_SLOTS]
+            rep[r, FREE_SLOTS] -= 1
+            slot = slots[r, rep[r, FREE_SLOTS]]
+            seqs[s, SLOT] = slot
+            table = pool[POOL_TABLES][r, slot]
+            _touch(rep, r, pool, hit_blocks, num_hit)
+            table[:num_hit] = hit_blocks[:num_hit]
+            _take(pi, rep, r, pool, needed, table, num_hit)
+        else:
+            rep[r, FREE_BLOCKS] -= needed
+        seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
+        seqs[s, KEYED] = num_hit
         _count_slack(rep, r, seqs, s, size, 1)
+        if caching:
+            _key_full_blocks(pi, rep, r, seqs, pool, s, end)
         return True
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
@@ -200,22 +449,34 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark):
         rep[r, TOTAL_RESERVED] -= consumed
         rep[r, TOTAL_INTERNAL] -= num_new - consumed
         seqs[s, SLOTS_TOKENS] = end
+        if caching and end // size > seqs[s, KEYED]:
+            _key_full_blocks(pi, rep, r, seqs, pool, s, end)
         return True
     needed = -(-end // size) - seqs[s, BLOCKS]
     if needed > rep[r, FREE_BLOCKS]:
         return False
     _count_slack(rep, r, seqs, s, size, -1)
-    rep[r, FREE_BLOCKS] -= needed
+    if caching:
+        _take(pi, rep, r, pool, needed, pool[POOL_TABLES][r, seqs[s, SLOT]], seqs[s, BLOCKS])
+    else:
+        rep[r, FREE_BLOCKS] -= needed
     seqs[s, BLOCKS] += needed
     seqs[s, SLOTS_TOKENS] = end
     _count_slack(rep, r, seqs, s, size, 1)
+    if caching:
+        _key_full_blocks(pi, rep, r, seqs, pool, s, end)
     return True
 
 
 @jit
-def _free(pi, rep, r, seqs, s):
+def _free(pi, rep, r, seqs, s, pool):
     _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], -1)
-    rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
+    if pi[P_CACHING]:
+        _release(pi, rep, r, pool, pool[POOL_TABLES][r, seqs[s, SLOT]], seqs[s, BLOCKS])
+        pool[POOL_SLOTS][r, rep[r, FREE_SLOTS]] = seqs[s, SLOT]
+        rep[r, FREE_SLOTS] += 1
+    else:
+        rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
     seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0, 0
 
 
@@ -245,7 +506,7 @@ def _pop_front(rep, waiting, r):
 
 
 @jit
-def _schedule(pi, pf, rep, r, seqs, running, waiting, plan):
+def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
     """Scheduler.schedule (FCFS, recompute preemption): the plan's (sequence, new tokens) rows in
     plan[r], its length and preemptions in rep."""
     budget = pi[P_BUDGET]
@@ -256,11 +517,11 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan):
         s = running[r, index]
         num_new = min(seqs[s, TOKENS] - seqs[s, COMPUTED], budget)
         preempted_self = False
-        while not _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0):
+        while not _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, hit_blocks, 0):
             last = rep[r, NUM_RUNNING] - 1  # Fcfs.victim: the newest running sequence
             victim = running[r, last]
             rep[r, NUM_RUNNING] = last
-            _free(pi, rep, r, seqs, victim)  # Scheduler._preempt, recompute
+            _free(pi, rep, r, seqs, victim, pool)  # Scheduler._preempt, recompute
             seqs[victim, PREEMPTIONS] += 1
             seqs[victim, COMPUTED] = 0
             _push_front(rep, waiting, r, victim)
@@ -279,18 +540,22 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan):
             if rep[r, NUM_RUNNING] >= pi[P_MAX_SEQS] or budget <= 0:
                 break
             s = _waiting_at(rep, waiting, r, 0)
-            num_new = seqs[s, TOKENS]
+            num_hit = _lookup(pi, seqs, pool, r, s, hit_blocks)
+            hit_tokens = num_hit * pi[P_BLOCK_SIZE]
+            num_new = seqs[s, TOKENS] - hit_tokens
             if num_new > budget:
                 if not pi[P_CHUNKED]:
                     break
                 num_new = budget
             full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
             watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
-            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark):
+            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hit_blocks, num_hit):
                 break
             _pop_front(rep, waiting, r)
-            seqs[s, COMPUTED] = 0
-            seqs[s, ADMITTED] = 1
+            seqs[s, COMPUTED] = hit_tokens
+            if not seqs[s, ADMITTED]:
+                seqs[s, ADMITTED] = 1
+                seqs[s, PREFIX_HIT] = hit_tokens
             running[r, rep[r, NUM_RUNNING]] = s
             rep[r, NUM_RUNNING] += 1
             plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
@@ -320,7 +585,7 @@ def _shape(rep, r, seqs, plan, shape):
 
 
 @jit
-def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, finished):
+def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, finished, pool):
     """Scheduler.commit of the plan in flight at `now`: the sequences that finished in
     finished[:n], the distinct inter-token gaps in gaps[:k] (first-seen order) with their
     counts; returns (n, k, tokens sampled)."""
@@ -347,7 +612,7 @@ def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, f
             seq_times[s, FIRST_TOKEN] = now
         if seqs[s, OUTPUTS] >= seqs[s, OUTPUT_LEN] or seqs[s, TOKENS] >= pi[P_MAX_MODEL_LEN]:
             seq_times[s, FINISH] = now
-            _free(pi, rep, r, seqs, s)
+            _free(pi, rep, r, seqs, s, pool)
             finished[num_finished] = s
             num_finished += 1
     if num_finished:  # the running list without them, in order
@@ -396,13 +661,13 @@ def _route(pi, rep, seqs, running, waiting):
 
 
 @jit
-def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, tables):
+def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, tables, pool, hit_blocks):
     """The replica's next step from `now`, or idle; False: it cannot schedule its queue."""
     (tokens_table, graph_table, lm_table, lm_graph, cpu_table, output_table, capture,
      prefill_par, prefill_grid, prefill_factors, decode_par, decode_grid, decode_factors) = tables
     empty_plans = 0
     while rep[r, NUM_RUNNING] or rep[r, NUM_WAITING]:
-        _schedule(pi, pf, rep, r, seqs, running, waiting, plan)
+        _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks)
         if rep[r, PLAN_LEN] == 0:  # only after a step that preempted every running sequence
             empty_plans += 1
             if empty_plans > 1:
@@ -469,7 +734,7 @@ def _next_turn(pi, pf, seqs, seq_times, s, now, later_times, later_rows, later_o
 
 
 @jit
-def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, starts, start_end,
+def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, pool, starts, start_end,
         later_times, later_rows, later_order, timeline_times, timeline_ints, itl_floats, itl_ints,
         out_counts, stuck):
     """Advance the cluster until the sessions starting below start_end (starts: their first
@@ -487,6 +752,7 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
     gaps = np.empty(max_seqs, dtype=np.float64)
     gap_counts = np.empty(max_seqs, dtype=np.int64)
     finished = np.empty(max_seqs, dtype=np.int64)
+    hit_blocks = np.empty(pi[P_MAX_MODEL_LEN] // size + 1, dtype=np.int64)
     rows = gap_rows = num_done = events = 0
     while True:
         # The next request to reach the engine: a session's first turn or a later turn.
@@ -535,19 +801,19 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
                 out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
                 return OUT_OF_ROWS
             num_finished, num_gaps, num_sampled = _commit(pi, rep, r, seqs, seq_times, running, plan, when,
-                                                          gaps, gap_counts, finished)
+                                                          gaps, gap_counts, finished, pool)
             num_done += num_finished
             for i in range(num_finished):
                 seqs[finished[i], STATUS] = FINISHED
                 _next_turn(pi, pf, seqs, seq_times, finished[i], when, later_times, later_rows, later_order)
-            # The step record (sim.engine.records.StepRecord; BlockAllocator.usage, no caching).
+            # The step record (sim.engine.records.StepRecord; BlockAllocator.usage).
             reserved, internal = rep[r, TOTAL_RESERVED], rep[r, TOTAL_INTERNAL]
-            free = rep[r, FREE_BLOCKS]
+            free, cached_idle = rep[r, FREE_BLOCKS], rep[r, CACHED_FREE] * size
             timeline_times[rows] = when
             row = timeline_ints[rows]
             row[0], row[1] = r, capacity
             row[2] = (pi[P_NUM_BLOCKS] - free) * size - reserved - internal
-            row[3], row[4], row[5], row[6], row[7] = reserved, internal, 0, 0, free * size
+            row[3], row[4], row[5], row[6], row[7] = reserved, internal, 0, cached_idle, free * size - cached_idle
             row[8], row[9] = rep[r, PLAN_LEN], rep[r, PLAN_TOKENS]
             row[10], row[11], row[12] = rep[r, NUM_RUNNING], rep[r, NUM_WAITING], rep[r, PLAN_PREEMPTED]
             row[13], row[14] = 0, num_sampled
@@ -559,7 +825,7 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
         else:
             rep[r, WOKEN] = 0
         events += 1
-        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables):
+        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables, pool, hit_blocks):
             stuck[0] = r
             out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
             return STUCK

@@ -50,6 +50,7 @@ def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
     ints[core.P_MAX_SEQS], ints[core.P_BUDGET] = spec.max_num_seqs, spec.max_num_batched_tokens
     ints[core.P_CHUNKED], ints[core.P_MAX_MODEL_LEN] = int(spec.enable_chunked_prefill), spec.max_model_len
     ints[core.P_RESERVE_FULL] = int(spec.scheduler_reserve_full_isl)
+    ints[core.P_CACHING] = int(allocator.enable_caching)
     ints[core.P_ROUTER] = (core.ROUTE_ROUND_ROBIN if type(router) is RoundRobin or spec.num_replicas == 1
                            else ROUTERS[router.metric])
     floats[core.P_WATERMARK], floats[core.P_OVERHEAD_S] = spec.watermark, spec.serving_overhead_s
@@ -82,17 +83,50 @@ def _outputs(rows: int, max_seqs: int) -> tuple:
             np.empty((rows + max_seqs, 2)), np.empty((rows + max_seqs, 2), dtype=np.int64))
 
 
+def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, requests, seqs) -> tuple:
+    """core.run's block pool (core.POOL_*): empty, every block free in id order, as BlockPool
+    starts; without prefix caching placeholders (only counts are kept). Fills each request's
+    segment columns of seqs."""
+    if not allocator.enable_caching:
+        one, two = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1), dtype=np.int64)
+        keys = np.zeros((1, 1, 3), dtype=np.int64)
+        return one, one, keys, one, one, two, one, keys, np.full((1, 1), core.EMPTY), np.zeros((1, 4), dtype=np.int64)
+    blocks = allocator.num_blocks
+    table_size = 1 << (2 * blocks).bit_length()  # at most half full of keys, a quarter of DELETED marks
+    queue = np.zeros((num_replicas, 3 * blocks + 1024), dtype=np.int64)
+    queue[:, :blocks] = np.arange(blocks)
+    rows = []
+    for i, request in enumerate(requests):
+        seqs[i, core.SEGMENTS], seqs[i, core.NUM_SEGMENTS] = len(rows), len(request.segments)
+        seqs[i, core.PROMPT_PREFIX], seqs[i, core.OUTPUT_CONTENT] = request.prefix_ids[-1], request.output_content_id
+        rows.extend((start, length, content, prefix) for start, (content, length), prefix
+                    in zip(request.segment_starts, request.segments, request.prefix_ids))
+    segments = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    tables = np.zeros((num_replicas, max_seqs, max_model_len // allocator.block_size + 1), dtype=np.int64)
+    slots = np.tile(np.arange(max_seqs, dtype=np.int64), (num_replicas, 1))
+    return (np.zeros((num_replicas, blocks), dtype=np.int64), np.zeros((num_replicas, blocks), dtype=np.int64),
+            np.zeros((num_replicas, blocks, 3), dtype=np.int64), np.zeros((num_replicas, blocks), dtype=np.int64),
+            queue, tables, slots, np.zeros((num_replicas, table_size, 3), dtype=np.int64),
+            np.full((num_replicas, table_size), core.EMPTY, dtype=np.int64), segments)
+
+
 def warm_up() -> None:
     """Load the compiled loop (numba's cache, or a first compile) before a run is timed: a run
     of no requests through the same types."""
     ints, floats = np.zeros(core.PARAM_INTS, dtype=np.int64), np.zeros(core.PARAM_FLOATS)
-    ints[core.P_REPLICAS] = ints[core.P_MAX_SEQS] = 1
+    ints[core.P_REPLICAS] = ints[core.P_MAX_SEQS] = ints[core.P_BLOCK_SIZE] = ints[core.P_MAX_MODEL_LEN] = 1
     i1 = np.zeros(1, dtype=np.int64)
     f1, f2, f3 = (np.zeros((1,) * n) for n in (1, 2, 3))
     tables = (f3, f2, f2, f1, f2, f2, i1, f1, f1, f1, f1, f1, f1)
     seqs, seq_times, rep, rep_times, running, waiting, plan, later = _state(0, 1, 1)
-    core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
+    pool = _pool(BlockAllocatorShape(), 1, 1, 1, [], seqs)
+    core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, pool,
              np.zeros(0, dtype=np.int64), 0, *later, *_outputs(1, 1), np.zeros(4, dtype=np.int64), i1)
+
+
+class BlockAllocatorShape:
+    """What _pool reads of an allocator, for warm_up's empty run."""
+    enable_caching, num_blocks, block_size = False, 1, 1
 
 
 def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on_progress) -> int:
@@ -115,6 +149,8 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     seq_times[:, core.THINK_S] = think
     seq_times[starts, core.ARRIVAL], seq_times[starts, core.SUBMIT] = arrivals, submits
     rep[:, core.FREE_BLOCKS] = allocator.num_blocks
+    rep[:, core.QUEUE_LEN], rep[:, core.FREE_SLOTS] = allocator.num_blocks, max_seqs
+    pool = _pool(allocator, num_replicas, max_seqs, spec.max_model_len, requests, seqs)
     ints, floats = _parameters(setup, allocator, router)
     tables = latency_tables(setup.latency, spec.max_num_batched_tokens, max_seqs)
     buffers = _outputs(ROWS_PER_CALL, max_seqs)
@@ -123,7 +159,7 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     while True:
         if ints[core.P_NEXT_START] >= start_end:
             start_end = min(len(starts), start_end + SESSIONS_PER_CALL)
-        status = core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
+        status = core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, pool,
                           starts, start_end, *later, *buffers, counts, stuck)
         rows, gap_rows, done, events = (int(c) for c in counts)
         num_events += events
@@ -154,6 +190,7 @@ def _request_frame(requests, seqs: np.ndarray, seq_times: np.ndarray) -> pd.Data
         "status": np.where(finished, "finished", "rejected").astype(object),
         "arrival_time_s": seq_times[:, core.ARRIVAL], "first_token_time_s": seq_times[:, core.FIRST_TOKEN],
         "finish_time_s": seq_times[:, core.FINISH], "prompt_tokens": seqs[:, core.PROMPT],
-        "output_tokens": outputs, "total_output_tokens": outputs, "num_samples": 1, "prefix_hit_tokens": 0,
+        "output_tokens": outputs, "total_output_tokens": outputs, "num_samples": 1,
+        "prefix_hit_tokens": seqs[:, core.PREFIX_HIT],
         "num_preemptions": seqs[:, core.PREEMPTIONS], "requested_output_tokens": seqs[:, core.OUTPUT_LEN]}
     return pd.DataFrame({name: columns[name] for name in REQUEST_COLUMNS})

@@ -1,6 +1,7 @@
 """Which runs the compiled loop takes (sim.engine.compiled.core), and why not the others.
 
-It covers what its arrays hold: the paged allocator without prefix caching, FCFS with recompute
+It covers what its arrays hold: the paged allocator, with or without prefix caching (LRU, no KV
+tiers), FCFS with recompute
 preemption, one attention kind (full, GQA or MQA; not MLA, windows or compressed layers), up to
 two pipeline stages, sessions of requests of one sample with no client cap, routing by load
 (least loaded by requests, waiting or queued tokens, live) or round robin (any router with one
@@ -21,8 +22,12 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
     spec, model = setup.spec, setup.model
     if spec.step_exact:
         return "step_exact=true keeps the plain loop"
-    if type(allocator) is not BlockAllocator or allocator.enable_caching:
-        return "it covers the paged allocator without prefix caching"
+    if type(allocator) is not BlockAllocator:
+        return "it covers the paged and prefix allocators"
+    if allocator.enable_caching and allocator.pool.eviction != "lru":
+        return "it covers the prefix cache's LRU eviction"
+    if allocator.enable_caching and spec.kv_offload.enabled:
+        return "it does not model KV tiers (kv_offload)"
     if queue_order is not None and type(queue_order) is not Fcfs:
         return "it covers queue_order=fcfs"
     if spec.preemption_mode != "recompute":
