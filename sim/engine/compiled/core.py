@@ -34,8 +34,8 @@ SEQ_FLOATS = 6
 # Replica columns (int64).
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
     PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS, QUEUE_HEAD, QUEUE_LEN, CACHED_FREE, \
-    EVER_KEYED, FREE_SLOTS, CACHED_DELETED = range(18)
-REPLICA_INTS = 18
+    EVER_KEYED, FREE_SLOTS, UNUSED, MEMO_SEQ, MEMO_COUNT, MEMO_REVIVED, MEMO_EPOCH = range(22)
+REPLICA_INTS = 22
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
@@ -43,15 +43,21 @@ STEP_END, WAKE = range(2)
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
  P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING) = range(18)
 PARAM_INTS = 18
-# The block pool with prefix caching (pool = core.run's tuple): per replica, each block's
-# reference count, whether it holds a key, its key (prefix id, content id, offset), revivals'
-# stale entries in the free queue, the free queue (a ring of block ids, LRU order), each running
+# The block pool with prefix caching (pool = core.run's tuple), per replica: each block's state
+# in one row of 32 bytes (reference count, whether it holds a key, the stale entries revivals
+# left in the free queue, the epoch of the last lookup that found it, the table slot where its
+# key finds it, -1 when the key finds another block or none); the free queue (a ring of block ids, LRU order); each running
 # sequence's block table (by slot) and the free slots; the cached blocks by key (BlockPool.cached,
-# an open-addressing table per replica: keys, and blocks with EMPTY and DELETED marks); the
-# requests' prompt segments as rows (start, length, content id, prefix id before it).
-POOL_REF, POOL_HAS_KEY, POOL_KEYS, POOL_STALE, POOL_QUEUE, POOL_TABLES, POOL_SLOTS, POOL_CACHED_KEYS, \
-    POOL_CACHED_BLOCKS, POOL_SEGMENTS = range(10)
-EMPTY, DELETED = -1, -2
+# an open-addressing table with linear probing and deletion by backward shift, of rows (prefix id
+# << 32 | content id, offset << 32 | block), EMPTY where none); the requests'
+# prompt segments as rows (start, length, content id, prefix id before it); the last lookup's
+# hit blocks. That lookup (of the head of the queue, asked again each step while it waits) is
+# kept while none of its blocks is evicted; how many are free is kept as their counts change.
+POOL_BLOCKS, POOL_QUEUE, POOL_TABLES, POOL_SLOTS, POOL_CACHED, POOL_SEGMENTS, POOL_MEMO = range(7)
+B_REF, B_HAS_KEY, B_STALE, B_WATCH, B_SLOT = range(5)
+BLOCK_FIELDS = 8
+EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+LOW_32 = np.uint64(0xFFFFFFFF)
 # Parameters (float64).
 P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S, P_OVERHEAD_S = range(4)
 PARAM_FLOATS = 4
@@ -133,11 +139,15 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
     if m_prefill_tokens == 0.0 and len(capture) and m_decode_seqs <= capture[-1]:
         graph = capture[np.searchsorted(capture, m_decode_seqs, side="left")]
     row = parts - 1
-    if graph:
-        per_token = graph_table[graph]
+    if graph:  # (elements, not row views: a view costs two atomic reference counts)
+        qkv, mlp, allreduce = graph_table[graph, T_QKV], graph_table[graph, T_MLP], graph_table[graph, T_ALLREDUCE]
+        all_to_all, send_recv = graph_table[graph, T_ALL_TO_ALL], graph_table[graph, T_SEND_RECV]
         lm_head = lm_graph[graph]
     else:
-        per_token = tokens_table[row, prefill_tokens + decode_seqs]
+        count = prefill_tokens + decode_seqs
+        qkv, mlp = tokens_table[row, count, T_QKV], tokens_table[row, count, T_MLP]
+        allreduce, all_to_all = tokens_table[row, count, T_ALLREDUCE], tokens_table[row, count, T_ALL_TO_ALL]
+        send_recv = tokens_table[row, count, T_SEND_RECV]
         lm_head = lm_table[row, sampled]
     attention_prefill = 0.0
     if m_prefill_tokens != 0.0:
@@ -147,12 +157,11 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
     if m_decode_seqs != 0.0:
         attention_decode = layers * _decode_attention(decode_par, decode_grid, decode_factors, m_decode_seqs,
                                                       m_decode_context)
-    gpu = per_token[T_QKV] + per_token[T_MLP] + p * lm_head + attention_prefill + attention_decode \
-        + per_token[T_ALLREDUCE]
+    gpu = qkv + mlp + p * lm_head + attention_prefill + attention_decode + allreduce
     if pi[P_EXPERT_PARALLEL]:
-        gpu += per_token[T_ALL_TO_ALL]
+        gpu += all_to_all
     if pp > 1:
-        gpu += (pp - 1) * per_token[T_SEND_RECV]
+        gpu += (pp - 1) * send_recv
         if prefill_tokens:  # the chunk crosses every stage whole (LatencyModel.breakdown)
             chunk = tokens_table[0, prefill_tokens]
             latency = chunk[T_QKV] + chunk[T_MLP] + 1.0 * lm_table[0, min(sampled, prefill_seqs)] \
@@ -201,84 +210,73 @@ def _block_key(pi, seqs, segments, s, i):
 
 
 @jit
-def _slot_of(keys, r, prefix, content, offset):
-    """Where (prefix, content, offset) starts its probe in replica r's table (a power of two)."""
-    mixed = (np.uint64(prefix) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(content) * np.uint64(0xC2B2AE3D27D4EB4F)) \
-        ^ (np.uint64(offset) * np.uint64(0x165667B19E3779F9))
-    mixed ^= mixed >> np.uint64(29)
-    return np.int64(mixed & np.uint64(keys.shape[1] - 1))
+def _home(table, chain, offset):
+    """Where a key (chain = prefix id << 32 | content id, offset) starts its probe in a
+    replica's table (a power of two): MurmurHash3's 64-bit finalizer of the two combined."""
+    h = chain * np.uint64(0x9E3779B97F4A7C15) + offset
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    return np.int64(h & np.uint64(table.shape[1] - 1))
 
 
 @jit
-def _cached_block(pool, r, prefix, content, offset):
+def _chain(prefix, content):
+    return (np.uint64(prefix) << np.uint64(32)) | np.uint64(content)
+
+
+@jit
+def _cached_block(table, r, chain, offset):
     """BlockPool.cached.get(key): the block a lookup finds for the key, or -1."""
-    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
-    mask = keys.shape[1] - 1
-    i = _slot_of(keys, r, prefix, content, offset)
-    while True:
-        block = blocks[r, i]
-        if block == EMPTY:
+    mask = table.shape[1] - 1
+    offset = np.uint64(offset)
+    i = _home(table, chain, offset)
+    while True:  # (elements, not row views: a view costs two atomic reference counts)
+        here = table[r, i, 1]
+        if here == EMPTY:
             return -1
-        if block != DELETED and keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
-            return block
+        if here >> np.uint64(32) == offset and table[r, i, 0] == chain:
+            return np.int64(here & LOW_32)
         i = (i + 1) & mask
 
 
 @jit
-def _cache_block(rep, pool, r, prefix, content, offset, block):
-    """cached.setdefault(key, block): the key keeps the block it has."""
-    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
-    mask = keys.shape[1] - 1
-    i = _slot_of(keys, r, prefix, content, offset)
-    free = -1
+def _cache_block(table, r, chain, offset, block):
+    """cached.setdefault(key, block): the slot where the key now finds this block, or -1 when
+    it keeps another."""
+    mask = table.shape[1] - 1
+    offset = np.uint64(offset)
+    i = _home(table, chain, offset)
     while True:
-        here = blocks[r, i]
+        here = table[r, i, 1]
+        if here == EMPTY:
+            table[r, i, 0], table[r, i, 1] = chain, (offset << np.uint64(32)) | np.uint64(block)
+            return i
+        if here >> np.uint64(32) == offset and table[r, i, 0] == chain:
+            return -1
+        i = (i + 1) & mask
+
+
+@jit
+def _uncache_slot(table, state, r, slot):
+    """del cached[key] of the block the key at `slot` finds (BlockPool.take's eviction): later
+    rows of its probe run move back into the gap (their blocks' slots follow)."""
+    mask = table.shape[1] - 1
+    gap, j = slot, slot
+    while True:
+        j = (j + 1) & mask
+        chain, here = table[r, j, 0], table[r, j, 1]
         if here == EMPTY:
             break
-        if here == DELETED:
-            if free < 0:
-                free = i
-        elif keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
-            return
-        i = (i + 1) & mask
-    if free >= 0:
-        i = free
-        rep[r, CACHED_DELETED] -= 1
-    blocks[r, i] = block
-    keys[r, i, 0], keys[r, i, 1], keys[r, i, 2] = prefix, content, offset
-
-
-@jit
-def _uncache_block(rep, pool, r, prefix, content, offset, block):
-    """del cached[key] if the key finds this block (BlockPool.take's eviction)."""
-    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
-    mask = keys.shape[1] - 1
-    i = _slot_of(keys, r, prefix, content, offset)
-    while True:
-        here = blocks[r, i]
-        if here == EMPTY:
-            return
-        if here != DELETED and keys[r, i, 2] == offset and keys[r, i, 1] == content and keys[r, i, 0] == prefix:
-            if here == block:
-                blocks[r, i] = DELETED
-                rep[r, CACHED_DELETED] += 1
-                if rep[r, CACHED_DELETED] > keys.shape[1] // 4:
-                    _rehash(rep, pool, r)
-            return
-        i = (i + 1) & mask
-
-
-@jit
-def _rehash(rep, pool, r):
-    """Replica r's table without its DELETED marks (the same keys and blocks)."""
-    keys, blocks = pool[POOL_CACHED_KEYS], pool[POOL_CACHED_BLOCKS]
-    live_keys = keys[r].copy()
-    live_blocks = blocks[r].copy()
-    blocks[r, :] = EMPTY
-    rep[r, CACHED_DELETED] = 0
-    for i in range(len(live_blocks)):
-        if live_blocks[i] >= 0:
-            _cache_block(rep, pool, r, live_keys[i, 0], live_keys[i, 1], live_keys[i, 2], live_blocks[i])
+        home = _home(table, chain, here >> np.uint64(32))
+        # The row may fill the gap unless its home lies cyclically in (gap, j].
+        if (gap <= j and (home <= gap or home > j)) or (gap > j and home <= gap and home > j):
+            table[r, gap, 0], table[r, gap, 1] = chain, here
+            state[r, np.int64(here & LOW_32), B_SLOT] = gap
+            gap = j
+    table[r, gap, 1] = EMPTY
 
 
 @jit
@@ -296,35 +294,55 @@ def _first_segment(seqs, segments, s, end):
 
 
 @jit
-def _lookup(pi, seqs, pool, r, s, hit_blocks):
-    """BlockAllocator.lookup_prefix: cached full blocks at the start of s, never its last token
-    (a pure query); their ids in hit_blocks, their count returned."""
-    if not pi[P_CACHING]:
-        return 0
-    segments, size = pool[POOL_SEGMENTS], pi[P_BLOCK_SIZE]
-    count = (seqs[s, TOKENS] - 1) // size
-    prompt, j = seqs[s, PROMPT], seqs[s, SEGMENTS]
-    last_segment = j + seqs[s, NUM_SEGMENTS] - 1
-    for i in range(count):
-        end = (i + 1) * size
-        if end > prompt:
-            prefix, content, offset = seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
-        else:
-            while j < last_segment and segments[j + 1, 0] <= end - 1:
-                j += 1
-            prefix, content, offset = segments[j, 3], segments[j, 2], end - segments[j, 0]
-        block = _cached_block(pool, r, prefix, content, offset)
-        if block < 0:
-            return i
-        hit_blocks[i] = block
-    return count
+def _forget_lookup(rep, r):
+    rep[r, MEMO_SEQ] = -1
+    rep[r, MEMO_EPOCH] += 1
 
 
 @jit
-def _take(pi, rep, r, pool, count, table, at):
-    """BlockPool.take in LRU's free order: count blocks into table[at:], their keys dropped."""
-    ref, has_key, keys, stale, queue = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_KEYS], pool[POOL_STALE], \
-        pool[POOL_QUEUE]
+def _lookup(pi, seqs, pool, rep, r, s):
+    """BlockAllocator.lookup_prefix: cached full blocks at the start of s, never its last token
+    (a pure query): their ids in pool[POOL_MEMO][r, :count], their count and how many are free returned.
+    Asked again for the same sequence, it goes on from the blocks found before if none of them
+    was evicted since (keys are only added then, and a key keeps its block)."""
+    if not pi[P_CACHING]:
+        return 0, 0
+    memo, state, table = pool[POOL_MEMO], pool[POOL_BLOCKS], pool[POOL_CACHED]
+    segments, size = pool[POOL_SEGMENTS], pi[P_BLOCK_SIZE]
+    count = (seqs[s, TOKENS] - 1) // size
+    if rep[r, MEMO_SEQ] != s:
+        _forget_lookup(rep, r)
+        rep[r, MEMO_SEQ], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED] = s, 0, 0
+    epoch, found, revived = rep[r, MEMO_EPOCH], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED]
+    prompt, j = seqs[s, PROMPT], -1
+    last_segment = seqs[s, SEGMENTS] + seqs[s, NUM_SEGMENTS] - 1
+    while found < count:
+        end = (found + 1) * size
+        if end > prompt:
+            prefix, content, offset = seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
+        else:
+            if j < 0:
+                j = _first_segment(seqs, segments, s, end)
+            while j < last_segment and segments[j + 1, 0] <= end - 1:
+                j += 1
+            prefix, content, offset = segments[j, 3], segments[j, 2], end - segments[j, 0]
+        block = _cached_block(table, r, _chain(prefix, content), offset)
+        if block < 0:
+            break
+        memo[r, found] = block
+        state[r, block, B_WATCH] = epoch
+        revived += state[r, block, B_REF] == 0
+        found += 1
+    rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED] = found, revived
+    return found, revived
+
+
+@jit
+def _take(pi, rep, r, pool, count, slot, at):
+    """BlockPool.take in LRU's free order: count blocks into the block table of slot (from
+    position at), their keys dropped."""
+    blocks = pool[POOL_TABLES]
+    state, queue, table = pool[POOL_BLOCKS], pool[POOL_QUEUE], pool[POOL_CACHED]
     length = queue.shape[1]
     rep[r, FREE_BLOCKS] -= count
     evicted = taken = 0
@@ -332,58 +350,68 @@ def _take(pi, rep, r, pool, count, table, at):
         block = queue[r, rep[r, QUEUE_HEAD]]
         rep[r, QUEUE_HEAD] = (rep[r, QUEUE_HEAD] + 1) % length
         rep[r, QUEUE_LEN] -= 1
-        if stale[r, block]:  # an entry a revival left behind
-            stale[r, block] -= 1
+        if state[r, block, B_STALE]:  # an entry a revival left behind
+            state[r, block, B_STALE] -= 1
             continue
-        if rep[r, EVER_KEYED] and has_key[r, block]:
+        if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:  # a block the last lookup found
+            _forget_lookup(rep, r)
+        if rep[r, EVER_KEYED] and state[r, block, B_HAS_KEY]:
             evicted += 1
-            _uncache_block(rep, pool, r, keys[r, block, 0], keys[r, block, 1], keys[r, block, 2], block)
-            has_key[r, block] = 0
-        ref[r, block] = 1
-        table[at + taken] = block
+            if state[r, block, B_SLOT] >= 0:
+                _uncache_slot(table, state, r, state[r, block, B_SLOT])
+                state[r, block, B_SLOT] = -1
+            state[r, block, B_HAS_KEY] = 0
+        state[r, block, B_REF] = 1
+        blocks[r, slot, at + taken] = block
         taken += 1
     rep[r, CACHED_FREE] -= evicted
 
 
 @jit
-def _release(pi, rep, r, pool, table, num_blocks):
-    """BlockPool.release of table[:num_blocks] deepest first: a block whose count reaches 0 joins
-    the free queue (compacted first when it would overflow; its order kept)."""
-    ref, has_key, stale, queue = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_STALE], pool[POOL_QUEUE]
+def _release(pi, rep, r, pool, slot, num_blocks):
+    """BlockPool.release of the first num_blocks of slot's block table, deepest first: a block
+    whose count reaches 0 joins the free queue (compacted first when it would overflow; its
+    order kept)."""
+    blocks = pool[POOL_TABLES]
+    state, queue = pool[POOL_BLOCKS], pool[POOL_QUEUE]
     length = queue.shape[1]
     if rep[r, QUEUE_LEN] + num_blocks > length:
         kept, head = 0, rep[r, QUEUE_HEAD]
         for i in range(rep[r, QUEUE_LEN]):
             block = queue[r, (head + i) % length]
-            if stale[r, block]:
-                stale[r, block] -= 1
+            if state[r, block, B_STALE]:
+                state[r, block, B_STALE] -= 1
             else:
                 queue[r, (head + kept) % length] = block
                 kept += 1
         rep[r, QUEUE_LEN] = kept
     for i in range(num_blocks - 1, -1, -1):
-        block = table[i]
-        ref[r, block] -= 1
-        if ref[r, block] == 0:
+        block = blocks[r, slot, i]
+        state[r, block, B_REF] -= 1
+        if state[r, block, B_REF] == 0:
+            if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:
+                rep[r, MEMO_REVIVED] += 1
             queue[r, (rep[r, QUEUE_HEAD] + rep[r, QUEUE_LEN]) % length] = block
             rep[r, QUEUE_LEN] += 1
             rep[r, FREE_BLOCKS] += 1
-            if rep[r, EVER_KEYED] and has_key[r, block]:
+            if rep[r, EVER_KEYED] and state[r, block, B_HAS_KEY]:
                 rep[r, CACHED_FREE] += 1
 
 
 @jit
-def _touch(rep, r, pool, hit_blocks, num_hit):
+def _touch(rep, r, pool, num_hit):
     """BlockPool.touch: one more reference to each hit block, out of the free queue if free."""
-    ref, has_key, stale = pool[POOL_REF], pool[POOL_HAS_KEY], pool[POOL_STALE]
+    state = pool[POOL_BLOCKS]
     for i in range(num_hit):
-        block = hit_blocks[i]
-        if ref[r, block] == 0:
+        block = pool[POOL_MEMO][r, i]
+        if state[r, block, B_REF] == 0:
             rep[r, FREE_BLOCKS] -= 1
-            if has_key[r, block]:
+            if state[r, block, B_HAS_KEY]:
                 rep[r, CACHED_FREE] -= 1
-            stale[r, block] += 1
-        ref[r, block] += 1
+            state[r, block, B_STALE] += 1
+            if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:
+                rep[r, MEMO_REVIVED] -= 1
+        state[r, block, B_REF] += 1
 
 
 @jit
@@ -393,24 +421,43 @@ def _key_full_blocks(pi, rep, r, seqs, pool, s, end):
     first, last = seqs[s, KEYED], end // pi[P_BLOCK_SIZE]
     if last <= first:
         return
-    has_key, keys, segments = pool[POOL_HAS_KEY], pool[POOL_KEYS], pool[POOL_SEGMENTS]
-    table = pool[POOL_TABLES][r, seqs[s, SLOT]]
+    state, table, segments = pool[POOL_BLOCKS], pool[POOL_CACHED], pool[POOL_SEGMENTS]
+    blocks, slot = pool[POOL_TABLES], seqs[s, SLOT]
     rep[r, EVER_KEYED] = 1
     for i in range(first, last):
-        block = table[i]
-        if not has_key[r, block]:
+        block = blocks[r, slot, i]
+        if not state[r, block, B_HAS_KEY]:
             prefix, content, offset = _block_key(pi, seqs, segments, s, i)
-            has_key[r, block] = 1
-            keys[r, block, 0], keys[r, block, 1], keys[r, block, 2] = prefix, content, offset
-            _cache_block(rep, pool, r, prefix, content, offset, block)
+            state[r, block, B_HAS_KEY] = 1
+            state[r, block, B_SLOT] = _cache_block(table, r, _chain(prefix, content), offset, block)
     seqs[s, KEYED] = last
 
 
 @jit
-def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hit_blocks, num_hit):
+def _fills_slack(pi, seqs, s, num_new):
+    """Whether num_new more tokens of a sequence holding blocks land in its last block's slack
+    and fill no block to key: BlockAllocator.allocate's fast path, which needs no pool."""
+    size = pi[P_BLOCK_SIZE]
+    end = seqs[s, SLOTS_TOKENS] + num_new
+    return (seqs[s, HAS_BLOCKS] and end <= seqs[s, BLOCKS] * size
+            and not (pi[P_CACHING] and end // size > seqs[s, KEYED]))
+
+
+@jit
+def _fill_slack(rep, r, seqs, s, num_new):
+    start = seqs[s, SLOTS_TOKENS]
+    end = start + num_new
+    consumed = max(0, min(end, seqs[s, FINAL_LEN]) - start)
+    rep[r, TOTAL_RESERVED] -= consumed
+    rep[r, TOTAL_INTERNAL] -= num_new - consumed
+    seqs[s, SLOTS_TOKENS] = end
+
+
+@jit
+def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, num_hit, revived):
     """BlockAllocator.allocate without forks (so without copy-on-write); on admission (s holds
-    no blocks) after a prefix hit of num_hit blocks (hit_blocks). False: no memory. Without
-    prefix caching only counts are kept (block ids never matter then)."""
+    no blocks) after a prefix hit of num_hit blocks (the last lookup's), revived of them free.
+    False: no memory. Without prefix caching only counts are kept (block ids never matter)."""
     size, caching = pi[P_BLOCK_SIZE], pi[P_CACHING]
     if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit)
         end = num_hit * size + num_new
@@ -418,11 +465,6 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hi
         required = needed
         if full_tokens or watermark != 0.0:
             required = max(needed, -(-full_tokens // size) - num_hit) + int(watermark * pi[P_NUM_BLOCKS])
-        revived = 0
-        if caching:
-            ref = pool[POOL_REF]
-            for i in range(num_hit):
-                revived += ref[r, hit_blocks[i]] == 0
         if required > rep[r, FREE_BLOCKS] - revived:
             return False
         if caching:
@@ -430,10 +472,12 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hi
             rep[r, FREE_SLOTS] -= 1
             slot = slots[r, rep[r, FREE_SLOTS]]
             seqs[s, SLOT] = slot
-            table = pool[POOL_TABLES][r, slot]
-            _touch(rep, r, pool, hit_blocks, num_hit)
-            table[:num_hit] = hit_blocks[:num_hit]
-            _take(pi, rep, r, pool, needed, table, num_hit)
+            _touch(rep, r, pool, num_hit)
+            blocks, memo = pool[POOL_TABLES], pool[POOL_MEMO]
+            for i in range(num_hit):
+                blocks[r, slot, i] = memo[r, i]
+            _forget_lookup(rep, r)  # s leaves the queue
+            _take(pi, rep, r, pool, needed, slot, num_hit)
         else:
             rep[r, FREE_BLOCKS] -= needed
         seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
@@ -445,10 +489,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hi
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
-        consumed = max(0, min(end, seqs[s, FINAL_LEN]) - start)
-        rep[r, TOTAL_RESERVED] -= consumed
-        rep[r, TOTAL_INTERNAL] -= num_new - consumed
-        seqs[s, SLOTS_TOKENS] = end
+        _fill_slack(rep, r, seqs, s, num_new)
         if caching and end // size > seqs[s, KEYED]:
             _key_full_blocks(pi, rep, r, seqs, pool, s, end)
         return True
@@ -457,7 +498,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hi
         return False
     _count_slack(rep, r, seqs, s, size, -1)
     if caching:
-        _take(pi, rep, r, pool, needed, pool[POOL_TABLES][r, seqs[s, SLOT]], seqs[s, BLOCKS])
+        _take(pi, rep, r, pool, needed, seqs[s, SLOT], seqs[s, BLOCKS])
     else:
         rep[r, FREE_BLOCKS] -= needed
     seqs[s, BLOCKS] += needed
@@ -472,7 +513,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hi
 def _free(pi, rep, r, seqs, s, pool):
     _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], -1)
     if pi[P_CACHING]:
-        _release(pi, rep, r, pool, pool[POOL_TABLES][r, seqs[s, SLOT]], seqs[s, BLOCKS])
+        _release(pi, rep, r, pool, seqs[s, SLOT], seqs[s, BLOCKS])
         pool[POOL_SLOTS][r, rep[r, FREE_SLOTS]] = seqs[s, SLOT]
         rep[r, FREE_SLOTS] += 1
     else:
@@ -506,7 +547,7 @@ def _pop_front(rep, waiting, r):
 
 
 @jit
-def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
+def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
     """Scheduler.schedule (FCFS, recompute preemption): the plan's (sequence, new tokens) rows in
     plan[r], its length and preemptions in rep."""
     budget = pi[P_BUDGET]
@@ -517,7 +558,13 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
         s = running[r, index]
         num_new = min(seqs[s, TOKENS] - seqs[s, COMPUTED], budget)
         preempted_self = False
-        while not _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, hit_blocks, 0):
+        # (the fast path without passing the pool: a tuple argument costs reference counts)
+        if _fills_slack(pi, seqs, s, num_new):
+            _fill_slack(rep, r, seqs, s, num_new)
+            fits = True
+        else:
+            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, 0, 0)
+        while not fits:
             last = rep[r, NUM_RUNNING] - 1  # Fcfs.victim: the newest running sequence
             victim = running[r, last]
             rep[r, NUM_RUNNING] = last
@@ -529,6 +576,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
             if victim == s:
                 preempted_self = True
                 break
+            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, 0, 0)
         if preempted_self:
             break
         plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
@@ -540,7 +588,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
             if rep[r, NUM_RUNNING] >= pi[P_MAX_SEQS] or budget <= 0:
                 break
             s = _waiting_at(rep, waiting, r, 0)
-            num_hit = _lookup(pi, seqs, pool, r, s, hit_blocks)
+            num_hit, revived = _lookup(pi, seqs, pool, rep, r, s)
             hit_tokens = num_hit * pi[P_BLOCK_SIZE]
             num_new = seqs[s, TOKENS] - hit_tokens
             if num_new > budget:
@@ -549,7 +597,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks):
                 num_new = budget
             full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
             watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
-            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, hit_blocks, num_hit):
+            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, num_hit, revived):
                 break
             _pop_front(rep, waiting, r)
             seqs[s, COMPUTED] = hit_tokens
@@ -661,13 +709,13 @@ def _route(pi, rep, seqs, running, waiting):
 
 
 @jit
-def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, tables, pool, hit_blocks):
+def _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, now, tables, pool):
     """The replica's next step from `now`, or idle; False: it cannot schedule its queue."""
     (tokens_table, graph_table, lm_table, lm_graph, cpu_table, output_table, capture,
      prefill_par, prefill_grid, prefill_factors, decode_par, decode_grid, decode_factors) = tables
     empty_plans = 0
     while rep[r, NUM_RUNNING] or rep[r, NUM_WAITING]:
-        _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool, hit_blocks)
+        _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool)
         if rep[r, PLAN_LEN] == 0:  # only after a step that preempted every running sequence
             empty_plans += 1
             if empty_plans > 1:
@@ -752,7 +800,6 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
     gaps = np.empty(max_seqs, dtype=np.float64)
     gap_counts = np.empty(max_seqs, dtype=np.int64)
     finished = np.empty(max_seqs, dtype=np.int64)
-    hit_blocks = np.empty(pi[P_MAX_MODEL_LEN] // size + 1, dtype=np.int64)
     rows = gap_rows = num_done = events = 0
     while True:
         # The next request to reach the engine: a session's first turn or a later turn.
@@ -810,13 +857,13 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
             reserved, internal = rep[r, TOTAL_RESERVED], rep[r, TOTAL_INTERNAL]
             free, cached_idle = rep[r, FREE_BLOCKS], rep[r, CACHED_FREE] * size
             timeline_times[rows] = when
-            row = timeline_ints[rows]
-            row[0], row[1] = r, capacity
-            row[2] = (pi[P_NUM_BLOCKS] - free) * size - reserved - internal
-            row[3], row[4], row[5], row[6], row[7] = reserved, internal, 0, cached_idle, free * size - cached_idle
-            row[8], row[9] = rep[r, PLAN_LEN], rep[r, PLAN_TOKENS]
-            row[10], row[11], row[12] = rep[r, NUM_RUNNING], rep[r, NUM_WAITING], rep[r, PLAN_PREEMPTED]
-            row[13], row[14] = 0, num_sampled
+            out = timeline_ints
+            out[rows, 0], out[rows, 1] = r, capacity
+            out[rows, 2] = (pi[P_NUM_BLOCKS] - free) * size - reserved - internal
+            out[rows, 3], out[rows, 4], out[rows, 5], out[rows, 6] = reserved, internal, 0, cached_idle
+            out[rows, 7], out[rows, 8], out[rows, 9] = free * size - cached_idle, rep[r, PLAN_LEN], rep[r, PLAN_TOKENS]
+            out[rows, 10], out[rows, 11], out[rows, 12] = rep[r, NUM_RUNNING], rep[r, NUM_WAITING], rep[r, PLAN_PREEMPTED]
+            out[rows, 13], out[rows, 14] = 0, num_sampled
             rows += 1
             for j in range(num_gaps):
                 itl_floats[gap_rows, 0], itl_floats[gap_rows, 1] = when, gaps[j]
@@ -825,7 +872,7 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
         else:
             rep[r, WOKEN] = 0
         events += 1
-        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables, pool, hit_blocks):
+        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables, pool):
             stuck[0] = r
             out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
             return STUCK

@@ -88,26 +88,27 @@ def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, reque
     starts; without prefix caching placeholders (only counts are kept). Fills each request's
     segment columns of seqs."""
     if not allocator.enable_caching:
-        one, two = np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1), dtype=np.int64)
-        keys = np.zeros((1, 1, 3), dtype=np.int64)
-        return one, one, keys, one, one, two, one, keys, np.full((1, 1), core.EMPTY), np.zeros((1, 4), dtype=np.int64)
+        return (np.zeros((1, 1, core.BLOCK_FIELDS), dtype=np.int32), np.zeros((1, 1), dtype=np.int64),
+                np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64),
+                np.full((1, 1, 2), core.EMPTY, dtype=np.uint64), np.zeros((1, 4), dtype=np.int64),
+                np.zeros((1, 1), dtype=np.int64))
     blocks = allocator.num_blocks
-    table_size = 1 << (2 * blocks).bit_length()  # at most half full of keys, a quarter of DELETED marks
+    state = np.zeros((num_replicas, blocks, core.BLOCK_FIELDS), dtype=np.int32)
+    state[:, :, core.B_WATCH] = state[:, :, core.B_SLOT] = -1
     queue = np.zeros((num_replicas, 3 * blocks + 1024), dtype=np.int64)
     queue[:, :blocks] = np.arange(blocks)
+    table_size = 1 << (2 * blocks).bit_length()  # at most half full
     rows = []
     for i, request in enumerate(requests):
         seqs[i, core.SEGMENTS], seqs[i, core.NUM_SEGMENTS] = len(rows), len(request.segments)
         seqs[i, core.PROMPT_PREFIX], seqs[i, core.OUTPUT_CONTENT] = request.prefix_ids[-1], request.output_content_id
         rows.extend((start, length, content, prefix) for start, (content, length), prefix
                     in zip(request.segment_starts, request.segments, request.prefix_ids))
-    segments = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    tables = np.zeros((num_replicas, max_seqs, max_model_len // allocator.block_size + 1), dtype=np.int64)
-    slots = np.tile(np.arange(max_seqs, dtype=np.int64), (num_replicas, 1))
-    return (np.zeros((num_replicas, blocks), dtype=np.int64), np.zeros((num_replicas, blocks), dtype=np.int64),
-            np.zeros((num_replicas, blocks, 3), dtype=np.int64), np.zeros((num_replicas, blocks), dtype=np.int64),
-            queue, tables, slots, np.zeros((num_replicas, table_size, 3), dtype=np.int64),
-            np.full((num_replicas, table_size), core.EMPTY, dtype=np.int64), segments)
+    max_blocks = max_model_len // allocator.block_size + 1
+    return (state, queue, np.zeros((num_replicas, max_seqs, max_blocks), dtype=np.int64),
+            np.tile(np.arange(max_seqs, dtype=np.int64), (num_replicas, 1)),
+            np.full((num_replicas, table_size, 2), core.EMPTY, dtype=np.uint64),
+            np.array(rows, dtype=np.int64).reshape(-1, 4), np.zeros((num_replicas, max_blocks), dtype=np.int64))
 
 
 def warm_up() -> None:
@@ -149,7 +150,7 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     seq_times[:, core.THINK_S] = think
     seq_times[starts, core.ARRIVAL], seq_times[starts, core.SUBMIT] = arrivals, submits
     rep[:, core.FREE_BLOCKS] = allocator.num_blocks
-    rep[:, core.QUEUE_LEN], rep[:, core.FREE_SLOTS] = allocator.num_blocks, max_seqs
+    rep[:, core.QUEUE_LEN], rep[:, core.FREE_SLOTS], rep[:, core.MEMO_SEQ] = allocator.num_blocks, max_seqs, -1
     pool = _pool(allocator, num_replicas, max_seqs, spec.max_model_len, requests, seqs)
     ints, floats = _parameters(setup, allocator, router)
     tables = latency_tables(setup.latency, spec.max_num_batched_tokens, max_seqs)
