@@ -267,8 +267,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
         metrics, requests, timeline = summarize_run(setup, workload, recorder, time.perf_counter() - started)
         metrics["engine"] = {"loop": "compiled", "num_events": num_events}
         metrics["kv_pool"] = _pool_facts(setup, compiled_allocator.capacity)
-        return RunResult(allocator_name, metrics, requests, timeline,
-                         OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True))
+        return RunResult(allocator_name, metrics, requests, timeline, _allocator_config(setup, allocator_name))
     env = Environment()
     cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s,
                       spec.router_staleness_s)
@@ -298,8 +297,11 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
             "num_held_requests": cluster.num_held_requests,
             "mean_held_s_per_held_request": (cluster.held_time_s / cluster.num_held_requests
                                              if cluster.num_held_requests else 0.0)}
-    return RunResult(allocator_name, metrics, requests, timeline,
-                     OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True))
+    return RunResult(allocator_name, metrics, requests, timeline, _allocator_config(setup, allocator_name))
+
+
+def _allocator_config(setup: Setup, allocator_name: str) -> dict:
+    return OmegaConf.to_container(setup.allocator_configs[allocator_name], resolve=True)
 
 
 def _pool_facts(setup: Setup, token_slots: int) -> dict:

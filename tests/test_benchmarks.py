@@ -15,9 +15,9 @@ def test_quick_benchmarks_run_and_report_every_figure(capsys):
     for row in rows:
         assert row["wall_s"] > 0 and row["peak_rss_mb"] > 0 and row["tokens"] > row["requests"]
         assert row["steps"] > 0 and row["events"] > 0
-    # vidur_matched runs in the compiled loop; rag_agents' sessions in the Python engine
-    assert [r["loop"] for r in rows] == ["compiled", "python", "python"]
-    assert rows[1]["events"] < rows[1]["steps"]               # decode stretches: fewer events than steps
+    # every one runs in the compiled loop, which handles each step as an event of its own
+    assert [r["loop"] for r in rows] == ["compiled", "compiled", "compiled"]
+    assert all(r["events"] >= r["steps"] for r in rows)
     printed = capsys.readouterr().out
     assert "events/s" in printed and printed.count("\n") == 5
     assert "vidur_matched ran on TP 2 x PP 2" in printed

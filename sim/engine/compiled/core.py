@@ -11,8 +11,11 @@ sim.engine.replica). Sequence ids are rows of the sequence arrays, in arrival or
 
 Every operation is the Python engine's, in the same order, on the same floats: the step time is
 LatencyModel.breakdown summed left to right (its token-count terms come from tables the model
-itself computed, sim.engine.compiled.tables), allocation is BlockAllocator.allocate's without
-prefix caching (block ids never matter then: only counts are kept).
+itself computed, sim.engine.compiled.tables), allocation is BlockAllocator.allocate's and the
+block pool's (without prefix caching only counts are kept: block ids never matter then).
+
+Every jitted function and the constants they read live in this one module: numba's cache checks
+only the source file of the function it caches, so code split across modules could run stale.
 """
 from __future__ import annotations
 
@@ -33,9 +36,9 @@ ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH, THINK_S = range(6)
 SEQ_FLOATS = 6
 # Replica columns (int64).
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
-    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, EMPTY_PLANS, QUEUE_HEAD, QUEUE_LEN, CACHED_FREE, \
-    EVER_KEYED, FREE_SLOTS, UNUSED, MEMO_SEQ, MEMO_COUNT, MEMO_REVIVED, MEMO_EPOCH = range(22)
-REPLICA_INTS = 22
+    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, QUEUE_HEAD, QUEUE_LEN, CACHED_FREE, EVER_KEYED, \
+    FREE_SLOTS, MEMO_SEQ, MEMO_COUNT, MEMO_REVIVED, MEMO_EPOCH = range(20)
+REPLICA_INTS = 20
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
@@ -198,15 +201,21 @@ def _count_slack(rep, r, seqs, s, size, sign):
 
 
 @jit
-def _block_key(pi, seqs, segments, s, i):
-    """Request.prefix_key((i + 1) * block_size) as (prefix id, content id, offset): the segment
-    holding the block's last token (the last of equal starts), or the output after the prompt."""
+def _block_key(pi, seqs, segments, s, i, j):
+    """Request.prefix_key((i + 1) * block_size) as (prefix id << 32 | content id, offset), and
+    the segment cursor: the segment holding the block's last token (the last of equal starts;
+    j < 0: found by search, else moved on from j as blocks go left to right), or the output
+    after the prompt."""
     end = (i + 1) * pi[P_BLOCK_SIZE]
     prompt = seqs[s, PROMPT]
     if end > prompt:
-        return seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
-    j = _first_segment(seqs, segments, s, end)
-    return segments[j, 3], segments[j, 2], end - segments[j, 0]
+        return _chain(seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT]), end - prompt, j
+    if j < 0:
+        j = _first_segment(seqs, segments, s, end)
+    last_segment = seqs[s, SEGMENTS] + seqs[s, NUM_SEGMENTS] - 1
+    while j < last_segment and segments[j + 1, 0] <= end - 1:
+        j += 1
+    return _chain(segments[j, 3], segments[j, 2]), end - segments[j, 0], j
 
 
 @jit
@@ -308,25 +317,16 @@ def _lookup(pi, seqs, pool, rep, r, s):
     if not pi[P_CACHING]:
         return 0, 0
     memo, state, table = pool[POOL_MEMO], pool[POOL_BLOCKS], pool[POOL_CACHED]
-    segments, size = pool[POOL_SEGMENTS], pi[P_BLOCK_SIZE]
-    count = (seqs[s, TOKENS] - 1) // size
+    segments = pool[POOL_SEGMENTS]
+    count = (seqs[s, TOKENS] - 1) // pi[P_BLOCK_SIZE]
     if rep[r, MEMO_SEQ] != s:
         _forget_lookup(rep, r)
         rep[r, MEMO_SEQ], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED] = s, 0, 0
     epoch, found, revived = rep[r, MEMO_EPOCH], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED]
-    prompt, j = seqs[s, PROMPT], -1
-    last_segment = seqs[s, SEGMENTS] + seqs[s, NUM_SEGMENTS] - 1
+    j = -1
     while found < count:
-        end = (found + 1) * size
-        if end > prompt:
-            prefix, content, offset = seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT], end - prompt
-        else:
-            if j < 0:
-                j = _first_segment(seqs, segments, s, end)
-            while j < last_segment and segments[j + 1, 0] <= end - 1:
-                j += 1
-            prefix, content, offset = segments[j, 3], segments[j, 2], end - segments[j, 0]
-        block = _cached_block(table, r, _chain(prefix, content), offset)
+        chain, offset, j = _block_key(pi, seqs, segments, s, found, j)
+        block = _cached_block(table, r, chain, offset)
         if block < 0:
             break
         memo[r, found] = block
@@ -424,12 +424,13 @@ def _key_full_blocks(pi, rep, r, seqs, pool, s, end):
     state, table, segments = pool[POOL_BLOCKS], pool[POOL_CACHED], pool[POOL_SEGMENTS]
     blocks, slot = pool[POOL_TABLES], seqs[s, SLOT]
     rep[r, EVER_KEYED] = 1
+    j = -1
     for i in range(first, last):
         block = blocks[r, slot, i]
         if not state[r, block, B_HAS_KEY]:
-            prefix, content, offset = _block_key(pi, seqs, segments, s, i)
+            chain, offset, j = _block_key(pi, seqs, segments, s, i, j)
             state[r, block, B_HAS_KEY] = 1
-            state[r, block, B_SLOT] = _cache_block(table, r, _chain(prefix, content), offset, block)
+            state[r, block, B_SLOT] = _cache_block(table, r, chain, offset, block)
     seqs[s, KEYED] = last
 
 
