@@ -41,6 +41,7 @@ CASES = {
     # The golden run: a memory-bound rag_agents whose prefix cache evicts and revives blocks.
     "golden": ["+experiment=golden"],
     "golden_block_1": ["+experiment=golden", "block_size=1"],
+    "golden_block_256": ["+experiment=golden", "block_size=256"],  # a chain per block or two
     "golden_first_chunk_admits": ["+experiment=golden", "scheduler_reserve_full_isl=false",
                                   "max_num_batched_tokens=256"],
     "golden_unchunked": ["+experiment=golden", "enable_chunked_prefill=false", "max_num_batched_tokens=2048"],
@@ -66,6 +67,22 @@ def test_the_compiled_loop_gives_the_python_engines_results(case, allocator):
     assert mp == mc, (case, [k for k in mp if mp[k] != mc.get(k)])
     pd.testing.assert_frame_equal(python.requests, compiled.requests)
     pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
+
+
+def test_a_store_compacted_at_every_turn_keeps_the_results(monkeypatch):
+    """The prefix cache's block store at its smallest safe size (compacted whenever it fills,
+    extents moving and shrinking) gives the Python engine's results on the evicting golden run
+    and under preemptions; a store too small for the running sequences is a clear error."""
+    from sim.engine.compiled import driver
+
+    monkeypatch.setattr(driver, "STORE_ROOMS", 1)
+    for case in ("golden_block_1", "preemptions"):
+        python, compiled = run(CASES[case], "python", "prefix"), run(CASES[case], "compiled", "prefix")
+        pd.testing.assert_frame_equal(python.requests, compiled.requests)
+        pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
+    monkeypatch.setattr(driver, "STORE_ROOMS", 0)
+    with pytest.raises(RuntimeError, match="block store is full; run with engine=python"):
+        run(CASES["golden_block_1"], "compiled", "prefix")
 
 
 def test_the_cases_exercise_what_they_name():

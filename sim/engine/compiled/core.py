@@ -12,7 +12,10 @@ sim.engine.replica). Sequence ids are rows of the sequence arrays, in arrival or
 Every operation is the Python engine's, in the same order, on the same floats: the step time is
 LatencyModel.breakdown summed left to right (its token-count terms come from tables the model
 itself computed, sim.engine.compiled.tables), allocation is BlockAllocator.allocate's and the
-block pool's (without prefix caching only counts are kept: block ids never matter then).
+block pool's. Block ids never matter, only counts, which keys are cached and the free queue's
+order: without prefix caching only counts are kept; with it, blocks are kept in runs (one
+admission's own blocks, a chain's keys, a stretch of the free queue), so that a request costs
+work per segment and per run rather than per block (see the pool's layout below).
 
 Every jitted function and the constants they read live in this one module: numba's cache checks
 only the source file of the function it caches, so code split across modules could run stale.
@@ -26,9 +29,9 @@ import numpy as np
 
 # Sequence columns (int64).
 PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
-    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, SLOT, KEYED, SEGMENTS, \
-    NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(21)
-SEQ_INTS = 21
+    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, EXTENT, HIT_BLOCKS, KEYED, \
+    SEGMENTS, NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(22)
+SEQ_INTS = 22
 PENDING, FINISHED, REJECTED = range(3)  # STATUS
 # Sequence columns (float64): ARRIVAL when the client sends it, SUBMIT when it reaches the engine
 # (serving_overhead_s later), THINK_S the think time before it once its previous turn is done.
@@ -36,9 +39,10 @@ ARRIVAL, SUBMIT, FIRST_TOKEN, LAST_TOKEN, FINISH, THINK_S = range(6)
 SEQ_FLOATS = 6
 # Replica columns (int64).
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
-    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, QUEUE_HEAD, QUEUE_LEN, CACHED_FREE, EVER_KEYED, \
-    FREE_SLOTS, MEMO_SEQ, MEMO_COUNT, MEMO_REVIVED, MEMO_EPOCH = range(20)
-REPLICA_INTS = 20
+    PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, CACHED_FREE, QUEUE_HEAD, QUEUE_TAIL, FREE_ENTRIES, \
+    UNUSED_ENTRIES, FREE_EXTENTS, UNUSED_EXTENTS, FREE_CLAIMS, UNUSED_CLAIMS, STORE_TOP, HELD_ROOM, \
+    ORDER_LEN, MEMO_RUNS, POOL_FAULT = range(25)
+REPLICA_INTS = 25
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
@@ -46,21 +50,37 @@ STEP_END, WAKE = range(2)
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
  P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING) = range(18)
 PARAM_INTS = 18
-# The block pool with prefix caching (pool = core.run's tuple), per replica: each block's state
-# in one row of 32 bytes (reference count, whether it holds a key, the stale entries revivals
-# left in the free queue, the epoch of the last lookup that found it, the table slot where its
-# key finds it, -1 when the key finds another block or none); the free queue (a ring of block ids, LRU order); each running
-# sequence's block table (by slot) and the free slots; the cached blocks by key (BlockPool.cached,
-# an open-addressing table with linear probing and deletion by backward shift, of rows (prefix id
-# << 32 | content id, offset << 32 | block), EMPTY where none); the requests'
-# prompt segments as rows (start, length, content id, prefix id before it); the last lookup's
-# hit blocks. That lookup (of the head of the queue, asked again each step while it waits) is
-# kept while none of its blocks is evicted; how many are free is kept as their counts change.
-POOL_BLOCKS, POOL_QUEUE, POOL_TABLES, POOL_SLOTS, POOL_CACHED, POOL_SEGMENTS, POOL_MEMO = range(7)
-B_REF, B_HAS_KEY, B_STALE, B_WATCH, B_SLOT = range(5)
-BLOCK_FIELDS = 8
+# The block pool with prefix caching (core.run's pool tuple; the functions below take its arrays
+# one by one, as a tuple argument costs a reference count per array), per replica, kept in runs
+# of blocks rather than block by block (block ids never matter, only which keys are cached and
+# the free queue's order). Each admission's own blocks form an extent (one sequence's blocks
+# from the depth its prefix hit ends): its blocks' reference counts (-1: evicted) and free-queue
+# entries lie side by side in the replica's block store (POOL_STORE's rows REF and PLACE;
+# compacted in store order, POOL_ORDER, when its top passes a soft limit: _new_extent). The free
+# queue is a linked list of entries, each a run of one extent's free blocks taken deepest first
+# (a first entry of extent -1 holds the blocks never used). Depths count blocks from a
+# sequence's first; a claim's offsets count tokens within its chain. BlockPool.cached is a table
+# of chains (POOL_CHAIN_TABLE: a prefix id << 32 | content id, the keys of one segment or of the
+# output after a prompt, and its record), each chain's record holding a list of claims: a run of
+# the chain's offsets (one per block, block_size apart) whose keys find an extent's blocks from a
+# depth on (evicting a block takes its key out of its claim, so a claim holds live blocks only
+# and there are never more claims than blocks). Extents, entries and claims (chain records among
+# them) are rows taken from and returned to free lists (their last field links them). POOL_MEMO
+# holds the last lookup's runs (extent, first depth, end depth; BlockAllocator.free's walk
+# writes there too, never between a lookup and its admission); POOL_SEGMENTS the requests'
+# prompt segments as rows (start, length, content id, prefix id).
+POOL_SEGMENTS, POOL_STORE, POOL_EXTENTS, POOL_ENTRIES, POOL_CLAIMS, POOL_CHAIN_TABLE, POOL_ORDER, \
+    POOL_MEMO = range(8)
+REF, PLACE = range(2)  # the store's rows
+X_SEQ, X_BASE, X_STORE_LOW, X_CAPACITY, X_HIGH, X_KEYED, X_CLAIMED, X_LIVE, X_HELD, X_LINK = range(10)
+EXTENT_FIELDS = 10
+Q_EXTENT, Q_LOW, Q_HIGH, Q_PREV, Q_NEXT = range(5)
+ENTRY_FIELDS = 5
+C_EXTENT, C_LOW, C_HIGH, C_DEPTH, C_NEXT = range(5)
+CLAIM_FIELDS = 5
+H_HEAD, H_SLOT = range(2)  # a chain's record: a row of the claims array
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-LOW_32 = np.uint64(0xFFFFFFFF)
+NO_END = 1 << 62  # the output chain's end depth
 # Parameters (float64).
 P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S, P_OVERHEAD_S = range(4)
 PARAM_FLOATS = 4
@@ -75,9 +95,12 @@ ACTIVATION_BYTES, CAUSAL_TILE = 2, 128  # sim.latency.operators
 # Timeline int columns (sim.recorder.INT_COLUMNS).
 TIMELINE_INTS = 15
 # What run() stopped at.
-DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK = range(4)
+DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK, STORE_FULL = range(5)
 
 jit = numba.njit(cache=True, nogil=True)
+# Small helpers called per sequence or per run of blocks are inlined where they are called: a
+# call that is not costs two atomic reference counts per array argument.
+inline = numba.njit(cache=True, nogil=True, inline="always")
 
 
 @jit
@@ -186,109 +209,26 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
     return gpu + launch + cpu + output
 
 
-@jit
+@inline
 def _slack(slots, tokens, final_len):
     """sim.kvcache.base.slack_split: (reserved, internal fragmentation)."""
     reserved = max(0, min(slots, final_len) - tokens)
     return reserved, slots - tokens - reserved
 
 
-@jit
+@inline
 def _count_slack(rep, r, seqs, s, size, sign):
     reserved, internal = _slack(seqs[s, BLOCKS] * size, seqs[s, SLOTS_TOKENS], seqs[s, FINAL_LEN])
     rep[r, TOTAL_RESERVED] += sign * reserved
     rep[r, TOTAL_INTERNAL] += sign * internal
 
 
-@jit
-def _block_key(pi, seqs, segments, s, i, j):
-    """Request.prefix_key((i + 1) * block_size) as (prefix id << 32 | content id, offset), and
-    the segment cursor: the segment holding the block's last token (the last of equal starts;
-    j < 0: found by search, else moved on from j as blocks go left to right), or the output
-    after the prompt."""
-    end = (i + 1) * pi[P_BLOCK_SIZE]
-    prompt = seqs[s, PROMPT]
-    if end > prompt:
-        return _chain(seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT]), end - prompt, j
-    if j < 0:
-        j = _first_segment(seqs, segments, s, end)
-    last_segment = seqs[s, SEGMENTS] + seqs[s, NUM_SEGMENTS] - 1
-    while j < last_segment and segments[j + 1, 0] <= end - 1:
-        j += 1
-    return _chain(segments[j, 3], segments[j, 2]), end - segments[j, 0], j
-
-
-@jit
-def _home(table, chain, offset):
-    """Where a key (chain = prefix id << 32 | content id, offset) starts its probe in a
-    replica's table (a power of two): MurmurHash3's 64-bit finalizer of the two combined."""
-    h = chain * np.uint64(0x9E3779B97F4A7C15) + offset
-    h ^= h >> np.uint64(33)
-    h *= np.uint64(0xFF51AFD7ED558CCD)
-    h ^= h >> np.uint64(33)
-    h *= np.uint64(0xC4CEB9FE1A85EC53)
-    h ^= h >> np.uint64(33)
-    return np.int64(h & np.uint64(table.shape[1] - 1))
-
-
-@jit
+@inline
 def _chain(prefix, content):
     return (np.uint64(prefix) << np.uint64(32)) | np.uint64(content)
 
 
-@jit
-def _cached_block(table, r, chain, offset):
-    """BlockPool.cached.get(key): the block a lookup finds for the key, or -1."""
-    mask = table.shape[1] - 1
-    offset = np.uint64(offset)
-    i = _home(table, chain, offset)
-    while True:  # (elements, not row views: a view costs two atomic reference counts)
-        here = table[r, i, 1]
-        if here == EMPTY:
-            return -1
-        if here >> np.uint64(32) == offset and table[r, i, 0] == chain:
-            return np.int64(here & LOW_32)
-        i = (i + 1) & mask
-
-
-@jit
-def _cache_block(table, r, chain, offset, block):
-    """cached.setdefault(key, block): the slot where the key now finds this block, or -1 when
-    it keeps another."""
-    mask = table.shape[1] - 1
-    offset = np.uint64(offset)
-    i = _home(table, chain, offset)
-    while True:
-        here = table[r, i, 1]
-        if here == EMPTY:
-            table[r, i, 0], table[r, i, 1] = chain, (offset << np.uint64(32)) | np.uint64(block)
-            return i
-        if here >> np.uint64(32) == offset and table[r, i, 0] == chain:
-            return -1
-        i = (i + 1) & mask
-
-
-@jit
-def _uncache_slot(table, state, r, slot):
-    """del cached[key] of the block the key at `slot` finds (BlockPool.take's eviction): later
-    rows of its probe run move back into the gap (their blocks' slots follow)."""
-    mask = table.shape[1] - 1
-    gap, j = slot, slot
-    while True:
-        j = (j + 1) & mask
-        chain, here = table[r, j, 0], table[r, j, 1]
-        if here == EMPTY:
-            break
-        home = _home(table, chain, here >> np.uint64(32))
-        # The row may fill the gap unless its home lies cyclically in (gap, j].
-        if (gap <= j and (home <= gap or home > j)) or (gap > j and home <= gap and home > j):
-            table[r, gap, 0], table[r, gap, 1] = chain, here
-            state[r, np.int64(here & LOW_32), B_SLOT] = gap
-            gap = j
-    table[r, gap, 1] = EMPTY
-
-
-@jit
+@inline
 def _first_segment(seqs, segments, s, end):
     """The last of s's segments starting at or before token end - 1."""
     first, count = seqs[s, SEGMENTS], seqs[s, NUM_SEGMENTS]
@@ -302,149 +242,490 @@ def _first_segment(seqs, segments, s, end):
     return low
 
 
-@jit
-def _forget_lookup(rep, r):
-    rep[r, MEMO_SEQ] = -1
-    rep[r, MEMO_EPOCH] += 1
+@inline
+def _chain_span(pi, seqs, segments, s, d, j):
+    """The keys of s's blocks from depth d on that share d's chain (Request.prefix_key's prefix
+    id << 32 | content id: the segment holding the block's last token, or the output after the
+    prompt): (chain, the token its offsets count from, the depth where the chain ends, the
+    segment cursor). j < 0: the segment is found by search, else moved on from j."""
+    size, prompt = pi[P_BLOCK_SIZE], seqs[s, PROMPT]
+    end = (d + 1) * size
+    if end > prompt:
+        return _chain(seqs[s, PROMPT_PREFIX], seqs[s, OUTPUT_CONTENT]), prompt, NO_END, j
+    if j < 0:
+        j = _first_segment(seqs, segments, s, end)
+    last = seqs[s, SEGMENTS] + seqs[s, NUM_SEGMENTS] - 1
+    while j < last and segments[j + 1, 0] <= end - 1:  # the last of equal starts
+        j += 1
+    next_start = segments[j + 1, 0] if j < last else prompt
+    return _chain(segments[j, 3], segments[j, 2]), segments[j, 0], next_start // size, j
+
+
+@inline
+def _chain_home(chain_table, chain):
+    """Where a chain starts its probe in a replica's chain table (a power of two): MurmurHash3's
+    64-bit finalizer."""
+    h = chain * np.uint64(0x9E3779B97F4A7C15)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    return np.int64(h & np.uint64(chain_table.shape[1] - 1))
+
+
+@inline
+def _find_chain(chain_table, r, chain):
+    """The chain's record, or -1 when no block of it is cached."""
+    mask = chain_table.shape[1] - 1
+    i = _chain_home(chain_table, chain)
+    while True:
+        record = chain_table[r, i, 1]
+        if record == EMPTY:
+            return -1
+        if chain_table[r, i, 0] == chain:
+            return np.int64(record)
+        i = (i + 1) & mask
+
+
+@inline
+def _new_row(rows, rep, r, head):
+    """A row off a free list (its rows linked through their last field; head + 1: the first
+    row never used, taken when the list is empty, so that memory is touched as it is used).
+    Out of rows (never, by the sizes core.run is given), rep[r, POOL_FAULT] is set."""
+    i = rep[r, head]
+    if i < 0:
+        i = rep[r, head + 1]
+        if i == rows.shape[1]:
+            rep[r, POOL_FAULT] = 1
+            return i - 1
+        rep[r, head + 1] += 1
+        return i
+    rep[r, head] = rows[r, i, rows.shape[2] - 1]
+    return i
+
+
+@inline
+def _drop_row(rows, rep, r, head, i):
+    rows[r, i, rows.shape[2] - 1] = rep[r, head]
+    rep[r, head] = i
 
 
 @jit
-def _lookup(pi, seqs, pool, rep, r, s):
+def _add_chain(chain_table, claims, rep, r, chain):
+    """A record (a row of the claims array) for a chain, in the table."""
+    mask = chain_table.shape[1] - 1
+    i = _chain_home(chain_table, chain)
+    while chain_table[r, i, 1] != EMPTY:
+        i = (i + 1) & mask
+    c = _new_row(claims, rep, r, FREE_CLAIMS)
+    chain_table[r, i, 0], chain_table[r, i, 1] = chain, np.uint64(c)
+    claims[r, c, H_HEAD], claims[r, c, H_SLOT] = -1, i
+    return c
+
+
+@jit
+def _drop_chain(chain_table, claims, rep, r, c):
+    """A chain record with no claims leaves the table: later rows of its probe run move back
+    into the gap (backward-shift deletion)."""
+    mask = chain_table.shape[1] - 1
+    gap = j = claims[r, c, H_SLOT]
+    while True:
+        j = (j + 1) & mask
+        chain, other = chain_table[r, j, 0], chain_table[r, j, 1]
+        if other == EMPTY:
+            break
+        home = _chain_home(chain_table, chain)
+        # The row may fill the gap unless its home lies cyclically in (gap, j].
+        if (gap <= j and (home <= gap or home > j)) or (gap > j and home <= gap and home > j):
+            chain_table[r, gap, 0], chain_table[r, gap, 1] = chain, other
+            claims[r, np.int64(other), H_SLOT] = gap
+            gap = j
+    chain_table[r, gap, 1] = EMPTY
+    _drop_row(claims, rep, r, FREE_CLAIMS, c)
+
+
+@inline
+def _claim_at(claims, r, head, offset, size):
+    """The claim of a chain's list holding the key at offset, or -1."""
+    c = head
+    while c >= 0:
+        low = claims[r, c, C_LOW]
+        if low <= offset < claims[r, c, C_HIGH] and (offset - low) % size == 0:
+            return c
+        c = claims[r, c, C_NEXT]
+    return -1
+
+
+@inline
+def _next_claimed(claims, r, head, offset, size, limit):
+    """The first offset after `offset` (same stride) where a claim of the list starts, or limit."""
+    c, first = head, limit
+    while c >= 0:
+        low = claims[r, c, C_LOW]
+        if offset < low < first and (low - offset) % size == 0:
+            first = low
+        c = claims[r, c, C_NEXT]
+    return first
+
+
+@jit
+def _claim(pi, claims, chain_table, rep, r, e, chain, low, high, depth):
+    """cached.setdefault for the keys at offsets [low, high) of a chain, held by extent e's
+    blocks from depth on: e claims the offsets no block claims yet (its other blocks are
+    duplicates, keyed but never found)."""
+    size = pi[P_BLOCK_SIZE]
+    h = _find_chain(chain_table, r, chain)
+    if h < 0:
+        h = _add_chain(chain_table, claims, rep, r, chain)
+    offset = low
+    while offset < high:
+        c = _claim_at(claims, r, claims[r, h, H_HEAD], offset, size)
+        if c >= 0:
+            offset = min(claims[r, c, C_HIGH], high)
+            continue
+        stop = _next_claimed(claims, r, claims[r, h, H_HEAD], offset, size, high)
+        at = depth + (offset - low) // size
+        c = claims[r, h, H_HEAD]  # e's claim ending at offset grows, else a new claim
+        while c >= 0 and not (claims[r, c, C_EXTENT] == e and claims[r, c, C_HIGH] == offset):
+            c = claims[r, c, C_NEXT]
+        if c < 0:
+            c = _new_row(claims, rep, r, FREE_CLAIMS)
+            claims[r, c, C_EXTENT], claims[r, c, C_LOW], claims[r, c, C_DEPTH] = e, offset, at
+            claims[r, c, C_NEXT] = claims[r, h, H_HEAD]
+            claims[r, h, H_HEAD] = c
+        claims[r, c, C_HIGH] = stop
+        offset = stop
+
+
+@jit
+def _unclaim(pi, claims, chain_table, rep, r, e, chain, low, high):
+    """del cached[key] for the keys at offsets [low, high) of a chain that extent e claims."""
+    size = pi[P_BLOCK_SIZE]
+    h = _find_chain(chain_table, r, chain)
+    if h < 0:
+        return
+    before, c = -1, claims[r, h, H_HEAD]
+    while c >= 0:
+        following = claims[r, c, C_NEXT]
+        c_low, c_high = claims[r, c, C_LOW], claims[r, c, C_HIGH]
+        if claims[r, c, C_EXTENT] != e or c_high <= low or c_low >= high or (c_low - low) % size:
+            before, c = c, following
+            continue
+        if low <= c_low and c_high <= high:  # all of it
+            if before < 0:
+                claims[r, h, H_HEAD] = following
+            else:
+                claims[r, before, C_NEXT] = following
+            _drop_row(claims, rep, r, FREE_CLAIMS, c)
+            c = following
+            continue
+        if c_low < low and high < c_high:  # its middle: the part above becomes a claim
+            upper = _new_row(claims, rep, r, FREE_CLAIMS)
+            claims[r, upper, C_EXTENT], claims[r, upper, C_LOW], claims[r, upper, C_HIGH] = e, high, c_high
+            claims[r, upper, C_DEPTH] = claims[r, c, C_DEPTH] + (high - c_low) // size
+            claims[r, upper, C_NEXT] = following
+            claims[r, c, C_NEXT] = upper
+            claims[r, c, C_HIGH] = low
+        elif c_low < low:  # its top
+            claims[r, c, C_HIGH] = low
+        else:  # its bottom
+            claims[r, c, C_DEPTH] += (high - c_low) // size
+            claims[r, c, C_LOW] = high
+        before, c = c, following
+    if claims[r, h, H_HEAD] < 0:
+        _drop_chain(chain_table, claims, rep, r, h)
+
+
+@jit
+def _walk(pi, seqs, segments, claims, chain_table, memo, r, s, count):
+    """The cached blocks at the start of s, up to count: as runs (extent, first depth, end
+    depth) in memo[r, :runs], in s's order; returns (runs, blocks)."""
+    size = pi[P_BLOCK_SIZE]
+    runs = d = 0
+    j = -1
+    while d < count:
+        chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
+        h = _find_chain(chain_table, r, chain)
+        if h < 0:
+            break
+        stop = min(chain_end, count)
+        while d < stop:
+            offset = (d + 1) * size - start
+            c = _claim_at(claims, r, claims[r, h, H_HEAD], offset, size)
+            if c < 0:
+                break
+            e = claims[r, c, C_EXTENT]
+            at = claims[r, c, C_DEPTH] + (offset - claims[r, c, C_LOW]) // size
+            length = min((claims[r, c, C_HIGH] - offset) // size, stop - d)
+            if runs and memo[r, runs - 1, 0] == e and memo[r, runs - 1, 2] == at:
+                memo[r, runs - 1, 2] = at + length
+            else:
+                memo[r, runs, 0], memo[r, runs, 1], memo[r, runs, 2] = e, at, at + length
+                runs += 1
+            d += length
+        if d < stop:
+            break
+    return runs, d
+
+
+@jit
+def _lookup(pi, seqs, segments, claims, chain_table, memo, store, extents, rep, r, s):
     """BlockAllocator.lookup_prefix: cached full blocks at the start of s, never its last token
-    (a pure query): their ids in pool[POOL_MEMO][r, :count], their count and how many are free returned.
-    Asked again for the same sequence, it goes on from the blocks found before if none of them
-    was evicted since (keys are only added then, and a key keeps its block)."""
+    (a pure query): their runs kept for the admission that may follow; returns their count and
+    how many are free."""
     if not pi[P_CACHING]:
         return 0, 0
-    memo, state, table = pool[POOL_MEMO], pool[POOL_BLOCKS], pool[POOL_CACHED]
-    segments = pool[POOL_SEGMENTS]
-    count = (seqs[s, TOKENS] - 1) // pi[P_BLOCK_SIZE]
-    if rep[r, MEMO_SEQ] != s:
-        _forget_lookup(rep, r)
-        rep[r, MEMO_SEQ], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED] = s, 0, 0
-    epoch, found, revived = rep[r, MEMO_EPOCH], rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED]
-    j = -1
-    while found < count:
-        chain, offset, j = _block_key(pi, seqs, segments, s, found, j)
-        block = _cached_block(table, r, chain, offset)
-        if block < 0:
-            break
-        memo[r, found] = block
-        state[r, block, B_WATCH] = epoch
-        revived += state[r, block, B_REF] == 0
-        found += 1
-    rep[r, MEMO_COUNT], rep[r, MEMO_REVIVED] = found, revived
+    runs, found = _walk(pi, seqs, segments, claims, chain_table, memo, r, s,
+                        (seqs[s, TOKENS] - 1) // pi[P_BLOCK_SIZE])
+    rep[r, MEMO_RUNS] = runs
+    revived = 0
+    for k in range(runs):
+        e = memo[r, k, 0]
+        shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
+        for i in range(memo[r, k, 1] + shift, memo[r, k, 2] + shift):
+            revived += store[r, REF, i] == 0
     return found, revived
 
 
+@inline
+def _unlink_entry(entries, rep, r, q):
+    before, after = entries[r, q, Q_PREV], entries[r, q, Q_NEXT]
+    if before < 0:
+        rep[r, QUEUE_HEAD] = after
+    else:
+        entries[r, before, Q_NEXT] = after
+    if after < 0:
+        rep[r, QUEUE_TAIL] = before
+    else:
+        entries[r, after, Q_PREV] = before
+    _drop_row(entries, rep, r, FREE_ENTRIES, q)
+
+
+@inline
+def _link_entry(entries, rep, r, e, low, high, after):
+    """A new queue entry (extent e's free blocks from depth high - 1 down to low, in that
+    order) after entry `after` (-1: at the head)."""
+    q = _new_row(entries, rep, r, FREE_ENTRIES)
+    entries[r, q, Q_EXTENT], entries[r, q, Q_LOW], entries[r, q, Q_HIGH] = e, low, high
+    following = rep[r, QUEUE_HEAD] if after < 0 else entries[r, after, Q_NEXT]
+    entries[r, q, Q_PREV], entries[r, q, Q_NEXT] = after, following
+    if after < 0:
+        rep[r, QUEUE_HEAD] = q
+    else:
+        entries[r, after, Q_NEXT] = q
+    if following < 0:
+        rep[r, QUEUE_TAIL] = q
+    else:
+        entries[r, following, Q_PREV] = q
+    return q
+
+
 @jit
-def _take(pi, rep, r, pool, count, slot, at):
-    """BlockPool.take in LRU's free order: count blocks into the block table of slot (from
-    position at), their keys dropped."""
-    blocks = pool[POOL_TABLES]
-    state, queue, table = pool[POOL_BLOCKS], pool[POOL_QUEUE], pool[POOL_CACHED]
-    length = queue.shape[1]
-    rep[r, FREE_BLOCKS] -= count
-    evicted = taken = 0
-    while taken < count:
-        block = queue[r, rep[r, QUEUE_HEAD]]
-        rep[r, QUEUE_HEAD] = (rep[r, QUEUE_HEAD] + 1) % length
-        rep[r, QUEUE_LEN] -= 1
-        if state[r, block, B_STALE]:  # an entry a revival left behind
-            state[r, block, B_STALE] -= 1
+def _unqueue(entries, store, rep, r, q, low, high, shift):
+    """Blocks [low, high) of entry q's extent leave the free queue (a revival); the entry keeps
+    its order, split in two around them if they lie inside it."""
+    e, q_low, q_high = entries[r, q, Q_EXTENT], entries[r, q, Q_LOW], entries[r, q, Q_HIGH]
+    if q_low == low and q_high == high:
+        _unlink_entry(entries, rep, r, q)
+    elif q_low == low:
+        entries[r, q, Q_LOW] = high
+    elif q_high == high:
+        entries[r, q, Q_HIGH] = low
+    elif low - q_low <= q_high - high:  # the smaller part moves to a new entry
+        entries[r, q, Q_LOW] = high
+        moved = _link_entry(entries, rep, r, e, q_low, low, q)
+        store[r, PLACE, q_low + shift:low + shift] = moved
+    else:
+        entries[r, q, Q_HIGH] = low
+        moved = _link_entry(entries, rep, r, e, high, q_high, entries[r, q, Q_PREV])
+        store[r, PLACE, high + shift:q_high + shift] = moved
+
+
+@jit
+def _touch(store, extents, entries, memo, rep, r):
+    """BlockPool.touch of the last lookup's blocks: one more reference to each, out of the free
+    queue if free."""
+    for k in range(rep[r, MEMO_RUNS]):
+        e, low, high = memo[r, k, 0], memo[r, k, 1], memo[r, k, 2]
+        shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
+        d = low
+        while d < high:
+            if store[r, REF, d + shift] != 0:
+                store[r, REF, d + shift] += 1
+                d += 1
+                continue
+            q, stop = store[r, PLACE, d + shift], d + 1  # a run of free blocks in one entry
+            while stop < high and store[r, REF, stop + shift] == 0 and store[r, PLACE, stop + shift] == q:
+                stop += 1
+            _unqueue(entries, store, rep, r, q, d, stop, shift)
+            store[r, REF, d + shift:stop + shift] = 1
+            rep[r, FREE_BLOCKS] -= stop - d
+            rep[r, CACHED_FREE] -= stop - d  # a found block holds its key
+            d = stop
+
+
+@jit
+def _compact(store, extents, order, rep, r):
+    """Move the extents' block state to the front of the replica's store, in store order; an
+    extent no sequence holds keeps only the span from its first to its last live block."""
+    top = kept = 0
+    for i in range(rep[r, ORDER_LEN]):
+        e, base = order[r, i, 0], order[r, i, 1]
+        if extents[r, e, X_BASE] != base:  # dropped (or dropped and reused)
             continue
-        if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:  # a block the last lookup found
-            _forget_lookup(rep, r)
-        if rep[r, EVER_KEYED] and state[r, block, B_HAS_KEY]:
-            evicted += 1
-            if state[r, block, B_SLOT] >= 0:
-                _uncache_slot(table, state, r, state[r, block, B_SLOT])
-                state[r, block, B_SLOT] = -1
-            state[r, block, B_HAS_KEY] = 0
-        state[r, block, B_REF] = 1
-        blocks[r, slot, at + taken] = block
-        taken += 1
-    rep[r, CACHED_FREE] -= evicted
+        low, high = extents[r, e, X_STORE_LOW], extents[r, e, X_STORE_LOW] + extents[r, e, X_CAPACITY]
+        if not extents[r, e, X_HELD]:
+            high = extents[r, e, X_HIGH]
+            while store[r, REF, base + low - extents[r, e, X_STORE_LOW]] < 0:
+                low += 1
+            while store[r, REF, base + high - 1 - extents[r, e, X_STORE_LOW]] < 0:
+                high -= 1
+        source = base + low - extents[r, e, X_STORE_LOW]
+        for k in range(high - low):  # forward: the new place is never after the old
+            store[r, REF, top + k] = store[r, REF, source + k]
+            store[r, PLACE, top + k] = store[r, PLACE, source + k]
+        extents[r, e, X_BASE], extents[r, e, X_STORE_LOW], extents[r, e, X_CAPACITY] = top, low, high - low
+        if not extents[r, e, X_HELD]:
+            extents[r, e, X_HIGH] = high  # (no block above it lives)
+        order[r, kept, 0], order[r, kept, 1] = e, top
+        kept += 1
+        top += high - low
+    rep[r, STORE_TOP], rep[r, ORDER_LEN] = top, kept
 
 
 @jit
-def _release(pi, rep, r, pool, slot, num_blocks):
-    """BlockPool.release of the first num_blocks of slot's block table, deepest first: a block
-    whose count reaches 0 joins the free queue (compacted first when it would overflow; its
-    order kept)."""
-    blocks = pool[POOL_TABLES]
-    state, queue = pool[POOL_BLOCKS], pool[POOL_QUEUE]
-    length = queue.shape[1]
-    if rep[r, QUEUE_LEN] + num_blocks > length:
-        kept, head = 0, rep[r, QUEUE_HEAD]
-        for i in range(rep[r, QUEUE_LEN]):
-            block = queue[r, (head + i) % length]
-            if state[r, block, B_STALE]:
-                state[r, block, B_STALE] -= 1
-            else:
-                queue[r, (head + kept) % length] = block
-                kept += 1
-        rep[r, QUEUE_LEN] = kept
-    for i in range(num_blocks - 1, -1, -1):
-        block = blocks[r, slot, i]
-        state[r, block, B_REF] -= 1
-        if state[r, block, B_REF] == 0:
-            if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:
-                rep[r, MEMO_REVIVED] += 1
-            queue[r, (rep[r, QUEUE_HEAD] + rep[r, QUEUE_LEN]) % length] = block
-            rep[r, QUEUE_LEN] += 1
-            rep[r, FREE_BLOCKS] += 1
-            if rep[r, EVER_KEYED] and state[r, block, B_HAS_KEY]:
-                rep[r, CACHED_FREE] += 1
+def _new_extent(pi, store, extents, order, rep, r, s, low, capacity):
+    """The extent of s's own blocks (depths from low on, room for capacity), or -1 when the
+    store is full even compacted. The store is compacted once its top passes twice every
+    block plus the room of the extents held (about what compaction keeps), so that its memory
+    is touched only as far as needed."""
+    soft = 2 * (pi[P_NUM_BLOCKS] + rep[r, HELD_ROOM] + capacity) + 1024
+    if rep[r, STORE_TOP] + capacity > min(soft, store.shape[2]) or rep[r, ORDER_LEN] == order.shape[1]:
+        _compact(store, extents, order, rep, r)
+        if rep[r, STORE_TOP] + capacity > store.shape[2]:
+            return -1
+    e = _new_row(extents, rep, r, FREE_EXTENTS)
+    extents[r, e, X_SEQ], extents[r, e, X_BASE], extents[r, e, X_STORE_LOW] = s, rep[r, STORE_TOP], low
+    extents[r, e, X_CAPACITY], extents[r, e, X_HIGH], extents[r, e, X_KEYED] = capacity, low, low
+    extents[r, e, X_CLAIMED] = low
+    extents[r, e, X_LIVE], extents[r, e, X_HELD] = 0, 1
+    order[r, rep[r, ORDER_LEN], 0], order[r, rep[r, ORDER_LEN], 1] = e, rep[r, STORE_TOP]
+    rep[r, ORDER_LEN] += 1
+    rep[r, STORE_TOP] += capacity
+    rep[r, HELD_ROOM] += capacity
+    return e
+
+
+@inline
+def _drop_extent_if_done(extents, rep, r, e):
+    if extents[r, e, X_LIVE] == 0 and not extents[r, e, X_HELD]:
+        extents[r, e, X_BASE] = -1
+        _drop_row(extents, rep, r, FREE_EXTENTS, e)
 
 
 @jit
-def _touch(rep, r, pool, num_hit):
-    """BlockPool.touch: one more reference to each hit block, out of the free queue if free."""
-    state = pool[POOL_BLOCKS]
-    for i in range(num_hit):
-        block = pool[POOL_MEMO][r, i]
-        if state[r, block, B_REF] == 0:
-            rep[r, FREE_BLOCKS] -= 1
-            if state[r, block, B_HAS_KEY]:
-                rep[r, CACHED_FREE] -= 1
-            state[r, block, B_STALE] += 1
-            if state[r, block, B_WATCH] == rep[r, MEMO_EPOCH]:
-                rep[r, MEMO_REVIVED] -= 1
-        state[r, block, B_REF] += 1
+def _evict(pi, seqs, segments, store, extents, claims, chain_table, rep, r, e, low, high):
+    """Extent e's free blocks [low, high) are taken: those holding keys lose them."""
+    shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
+    store[r, REF, low + shift:high + shift] = -1
+    keyed_high = min(high, extents[r, e, X_KEYED])
+    if keyed_high > low:
+        rep[r, CACHED_FREE] -= keyed_high - low
+        s, size = extents[r, e, X_SEQ], pi[P_BLOCK_SIZE]
+        d, j = low, -1
+        while d < keyed_high:
+            chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
+            stop = min(chain_end, keyed_high)
+            _unclaim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start)
+            d = stop
+    extents[r, e, X_LIVE] -= high - low
+    _drop_extent_if_done(extents, rep, r, e)
 
 
 @jit
-def _key_full_blocks(pi, rep, r, seqs, pool, s, end):
+def _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, e, count):
+    """BlockPool.take in LRU's free order (each entry's blocks deepest first): count blocks,
+    their keys dropped, become extent e's next blocks."""
+    rep[r, FREE_BLOCKS] -= count
+    taken = 0
+    while taken < count:
+        q = rep[r, QUEUE_HEAD]
+        victim, low, high = entries[r, q, Q_EXTENT], entries[r, q, Q_LOW], entries[r, q, Q_HIGH]
+        m = min(count - taken, high - low)
+        entries[r, q, Q_HIGH] = high - m
+        if victim >= 0:
+            _evict(pi, seqs, segments, store, extents, claims, chain_table, rep, r, victim, high - m, high)
+        if high - m == low:
+            _unlink_entry(entries, rep, r, q)
+        taken += m
+    first = extents[r, e, X_HIGH]
+    shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
+    store[r, REF, first + shift:first + count + shift] = 1
+    extents[r, e, X_HIGH] = first + count
+    extents[r, e, X_LIVE] += count
+
+
+@jit
+def _release(store, extents, entries, rep, r, e, low, high):
+    """BlockPool.release of extent e's blocks [low, high), deepest first: a block whose count
+    reaches 0 joins the free queue's tail."""
+    shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
+    keyed = extents[r, e, X_KEYED]
+    for d in range(high - 1, low - 1, -1):
+        store[r, REF, d + shift] -= 1
+        if store[r, REF, d + shift]:
+            continue
+        q = rep[r, QUEUE_TAIL]
+        if q >= 0 and entries[r, q, Q_EXTENT] == e and entries[r, q, Q_LOW] == d + 1:
+            entries[r, q, Q_LOW] = d
+        else:
+            q = _link_entry(entries, rep, r, e, d, d + 1, q)
+        store[r, PLACE, d + shift] = q
+        rep[r, FREE_BLOCKS] += 1
+        rep[r, CACHED_FREE] += d < keyed
+
+
+@jit
+def _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end):
     """BlockAllocator.key_full_blocks: the blocks tokens up to `end` filled get their keys (a
-    block keyed already keeps its key; the first block with a key is the one lookups find)."""
+    key another block holds already stays with that block). The keys of a first admission's
+    output blocks are claimed when it releases them: until then no other sequence can look
+    them up (every workload builder in sim.workload gives each request its own output
+    content id, and its next turn arrives after it finishes), and none can claim them first
+    (an admission after a preemption claims them as they fill)."""
     first, last = seqs[s, KEYED], end // pi[P_BLOCK_SIZE]
     if last <= first:
         return
-    state, table, segments = pool[POOL_BLOCKS], pool[POOL_CACHED], pool[POOL_SEGMENTS]
-    blocks, slot = pool[POOL_TABLES], seqs[s, SLOT]
-    rep[r, EVER_KEYED] = 1
-    j = -1
-    for i in range(first, last):
-        block = blocks[r, slot, i]
-        if not state[r, block, B_HAS_KEY]:
-            chain, offset, j = _block_key(pi, seqs, segments, s, i, j)
-            state[r, block, B_HAS_KEY] = 1
-            state[r, block, B_SLOT] = _cache_block(table, r, chain, offset, block)
-    seqs[s, KEYED] = last
+    seqs[s, KEYED] = extents[r, seqs[s, EXTENT], X_KEYED] = last
+    if not seqs[s, PREEMPTIONS]:
+        last = min(last, seqs[s, PROMPT] // pi[P_BLOCK_SIZE])
+    if last > extents[r, seqs[s, EXTENT], X_CLAIMED]:
+        _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, last)
 
 
 @jit
-def _fills_slack(pi, seqs, s, num_new):
-    """Whether num_new more tokens of a sequence holding blocks land in its last block's slack
-    and fill no block to key: BlockAllocator.allocate's fast path, which needs no pool."""
-    size = pi[P_BLOCK_SIZE]
-    end = seqs[s, SLOTS_TOKENS] + num_new
-    return (seqs[s, HAS_BLOCKS] and end <= seqs[s, BLOCKS] * size
-            and not (pi[P_CACHING] and end // size > seqs[s, KEYED]))
+def _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, last):
+    """The keys of s's blocks from its extent's first unclaimed one up to depth last go in the
+    table."""
+    size, e = pi[P_BLOCK_SIZE], seqs[s, EXTENT]
+    d, j = extents[r, e, X_CLAIMED], -1
+    while d < last:
+        chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
+        stop = min(chain_end, last)
+        _claim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
+        d = stop
+    extents[r, e, X_CLAIMED] = last
 
 
-@jit
+@inline
+def _lands_in_slack(pi, seqs, s, num_new):
+    """Whether num_new more tokens of a sequence holding blocks land in its last block's slack:
+    BlockAllocator.allocate's fast path, which takes no block."""
+    return seqs[s, HAS_BLOCKS] and seqs[s, SLOTS_TOKENS] + num_new <= seqs[s, BLOCKS] * pi[P_BLOCK_SIZE]
+
+
+@inline
 def _fill_slack(rep, r, seqs, s, num_new):
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
@@ -454,11 +735,24 @@ def _fill_slack(rep, r, seqs, s, num_new):
     seqs[s, SLOTS_TOKENS] = end
 
 
+@inline
+def _grows_past_store(extents, rep, r, seqs, s, needed):
+    """Whether s's extent has no room for needed more blocks (its room is its final length's
+    blocks, so never: a check that keeps a mistake from writing over another extent)."""
+    e = seqs[s, EXTENT]
+    if extents[r, e, X_HIGH] + needed <= extents[r, e, X_STORE_LOW] + extents[r, e, X_CAPACITY]:
+        return False
+    rep[r, POOL_FAULT] = 1
+    return True
+
+
 @jit
-def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, num_hit, revived):
+def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
+              segments, store, extents, entries, claims, chain_table, order, memo):
     """BlockAllocator.allocate without forks (so without copy-on-write); on admission (s holds
     no blocks) after a prefix hit of num_hit blocks (the last lookup's), revived of them free.
-    False: no memory. Without prefix caching only counts are kept (block ids never matter)."""
+    False: no memory (or, with rep[r, POOL_FAULT] set, no room in the block store). Without
+    prefix caching only counts are kept (block ids never matter)."""
     size, caching = pi[P_BLOCK_SIZE], pi[P_CACHING]
     if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit)
         end = num_hit * size + num_new
@@ -469,65 +763,74 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, nu
         if required > rep[r, FREE_BLOCKS] - revived:
             return False
         if caching:
-            slots = pool[POOL_SLOTS]
-            rep[r, FREE_SLOTS] -= 1
-            slot = slots[r, rep[r, FREE_SLOTS]]
-            seqs[s, SLOT] = slot
-            _touch(rep, r, pool, num_hit)
-            blocks, memo = pool[POOL_TABLES], pool[POOL_MEMO]
-            for i in range(num_hit):
-                blocks[r, slot, i] = memo[r, i]
-            _forget_lookup(rep, r)  # s leaves the queue
-            _take(pi, rep, r, pool, needed, slot, num_hit)
+            room = -(-seqs[s, FINAL_LEN] // size) + 1 - num_hit
+            e = _new_extent(pi, store, extents, order, rep, r, s, num_hit, max(room, needed))
+            if e < 0:
+                rep[r, POOL_FAULT] = 1
+                return False
+            seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
+            _touch(store, extents, entries, memo, rep, r)
+            _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, e, needed)
         else:
             rep[r, FREE_BLOCKS] -= needed
         seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
         seqs[s, KEYED] = num_hit
         _count_slack(rep, r, seqs, s, size, 1)
         if caching:
-            _key_full_blocks(pi, rep, r, seqs, pool, s, end)
+            _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
         return True
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
         _fill_slack(rep, r, seqs, s, num_new)
         if caching and end // size > seqs[s, KEYED]:
-            _key_full_blocks(pi, rep, r, seqs, pool, s, end)
+            _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
         return True
     needed = -(-end // size) - seqs[s, BLOCKS]
     if needed > rep[r, FREE_BLOCKS]:
         return False
+    if caching and _grows_past_store(extents, rep, r, seqs, s, needed):
+        return False
     _count_slack(rep, r, seqs, s, size, -1)
     if caching:
-        _take(pi, rep, r, pool, needed, seqs[s, SLOT], seqs[s, BLOCKS])
+        _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
     else:
         rep[r, FREE_BLOCKS] -= needed
     seqs[s, BLOCKS] += needed
     seqs[s, SLOTS_TOKENS] = end
     _count_slack(rep, r, seqs, s, size, 1)
     if caching:
-        _key_full_blocks(pi, rep, r, seqs, pool, s, end)
+        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
     return True
 
 
 @jit
-def _free(pi, rep, r, seqs, s, pool):
+def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_table, memo):
+    """BlockAllocator.free: s's blocks released deepest first (its own, then the ones it found
+    cached: the same runs a lookup finds, since a block held keeps its key)."""
     _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], -1)
     if pi[P_CACHING]:
-        _release(pi, rep, r, pool, seqs[s, SLOT], seqs[s, BLOCKS])
-        pool[POOL_SLOTS][r, rep[r, FREE_SLOTS]] = seqs[s, SLOT]
-        rep[r, FREE_SLOTS] += 1
+        e = seqs[s, EXTENT]
+        if extents[r, e, X_CLAIMED] < extents[r, e, X_KEYED]:
+            _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, extents[r, e, X_KEYED])
+        _release(store, extents, entries, rep, r, e, seqs[s, HIT_BLOCKS], extents[r, e, X_HIGH])
+        runs, _ = _walk(pi, seqs, segments, claims, chain_table, memo, r, s, seqs[s, HIT_BLOCKS])
+        for k in range(runs - 1, -1, -1):
+            _release(store, extents, entries, rep, r, memo[r, k, 0], memo[r, k, 1], memo[r, k, 2])
+        extents[r, e, X_HELD] = 0
+        rep[r, HELD_ROOM] -= extents[r, e, X_CAPACITY]
+        _drop_extent_if_done(extents, rep, r, e)
     else:
         rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
     seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0, 0
 
 
-@jit
+@inline
 def _waiting_at(rep, waiting, r, i):
     return waiting[r, (rep[r, WAIT_HEAD] + i) % waiting.shape[1]]
 
 
-@jit
+@inline
 def _push_front(rep, waiting, r, s):
     head = (rep[r, WAIT_HEAD] - 1) % waiting.shape[1]
     waiting[r, head] = s
@@ -535,13 +838,13 @@ def _push_front(rep, waiting, r, s):
     rep[r, NUM_WAITING] += 1
 
 
-@jit
+@inline
 def _push_back(rep, waiting, r, s):
     waiting[r, (rep[r, WAIT_HEAD] + rep[r, NUM_WAITING]) % waiting.shape[1]] = s
     rep[r, NUM_WAITING] += 1
 
 
-@jit
+@inline
 def _pop_front(rep, waiting, r):
     rep[r, WAIT_HEAD] = (rep[r, WAIT_HEAD] + 1) % waiting.shape[1]
     rep[r, NUM_WAITING] -= 1
@@ -551,6 +854,7 @@ def _pop_front(rep, waiting, r):
 def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
     """Scheduler.schedule (FCFS, recompute preemption): the plan's (sequence, new tokens) rows in
     plan[r], its length and preemptions in rep."""
+    segments, store, extents, entries, claims, chain_table, order, memo = pool
     budget = pi[P_BUDGET]
     num_planned = 0
     num_preempted = 0
@@ -559,17 +863,20 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
         s = running[r, index]
         num_new = min(seqs[s, TOKENS] - seqs[s, COMPUTED], budget)
         preempted_self = False
-        # (the fast path without passing the pool: a tuple argument costs reference counts)
-        if _fills_slack(pi, seqs, s, num_new):
+        if _lands_in_slack(pi, seqs, s, num_new):
             _fill_slack(rep, r, seqs, s, num_new)
+            if pi[P_CACHING] and seqs[s, SLOTS_TOKENS] // pi[P_BLOCK_SIZE] > seqs[s, KEYED]:
+                _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, seqs[s, SLOTS_TOKENS])
             fits = True
         else:
-            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, 0, 0)
+            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, 0, 0,
+                             segments, store, extents, entries, claims, chain_table, order, memo)
         while not fits:
             last = rep[r, NUM_RUNNING] - 1  # Fcfs.victim: the newest running sequence
             victim = running[r, last]
             rep[r, NUM_RUNNING] = last
-            _free(pi, rep, r, seqs, victim, pool)  # Scheduler._preempt, recompute
+            _free(pi, rep, r, seqs, victim, segments, store, extents, entries, claims, chain_table,
+                  memo)  # Scheduler._preempt, recompute
             seqs[victim, PREEMPTIONS] += 1
             seqs[victim, COMPUTED] = 0
             _push_front(rep, waiting, r, victim)
@@ -577,7 +884,8 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
             if victim == s:
                 preempted_self = True
                 break
-            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, pool, 0, 0)
+            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, 0, 0,
+                             segments, store, extents, entries, claims, chain_table, order, memo)
         if preempted_self:
             break
         plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
@@ -589,7 +897,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
             if rep[r, NUM_RUNNING] >= pi[P_MAX_SEQS] or budget <= 0:
                 break
             s = _waiting_at(rep, waiting, r, 0)
-            num_hit, revived = _lookup(pi, seqs, pool, rep, r, s)
+            num_hit, revived = _lookup(pi, seqs, segments, claims, chain_table, memo, store, extents, rep, r, s)
             hit_tokens = num_hit * pi[P_BLOCK_SIZE]
             num_new = seqs[s, TOKENS] - hit_tokens
             if num_new > budget:
@@ -598,7 +906,8 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
                 num_new = budget
             full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
             watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
-            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, pool, num_hit, revived):
+            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
+                             segments, store, extents, entries, claims, chain_table, order, memo):
                 break
             _pop_front(rep, waiting, r)
             seqs[s, COMPUTED] = hit_tokens
@@ -638,6 +947,7 @@ def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, f
     """Scheduler.commit of the plan in flight at `now`: the sequences that finished in
     finished[:n], the distinct inter-token gaps in gaps[:k] (first-seen order) with their
     counts; returns (n, k, tokens sampled)."""
+    segments, store, extents, entries, claims, chain_table, order, memo = pool
     num_finished = num_gaps = num_sampled = 0
     for i in range(rep[r, PLAN_LEN]):
         s, num_new = plan[r, i, 0], plan[r, i, 1]
@@ -661,7 +971,7 @@ def _commit(pi, rep, r, seqs, seq_times, running, plan, now, gaps, gap_counts, f
             seq_times[s, FIRST_TOKEN] = now
         if seqs[s, OUTPUTS] >= seqs[s, OUTPUT_LEN] or seqs[s, TOKENS] >= pi[P_MAX_MODEL_LEN]:
             seq_times[s, FINISH] = now
-            _free(pi, rep, r, seqs, s, pool)
+            _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_table, memo)
             finished[num_finished] = s
             num_finished += 1
     if num_finished:  # the running list without them, in order
@@ -873,7 +1183,8 @@ def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables,
         else:
             rep[r, WOKEN] = 0
         events += 1
-        if not _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables, pool):
+        planned = _plan(pi, pf, rep, r, seqs, running, waiting, plan, shape, rep_times, when, tables, pool)
+        if not planned or rep[r, POOL_FAULT]:
             stuck[0] = r
             out_counts[0], out_counts[1], out_counts[2], out_counts[3] = rows, gap_rows, num_done, events
-            return STUCK
+            return STORE_FULL if rep[r, POOL_FAULT] else STUCK

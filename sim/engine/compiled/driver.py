@@ -3,6 +3,7 @@ recorder: the same records the Python engine's replicas and cluster append, in c
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 import pandas as pd
@@ -83,32 +84,51 @@ def _outputs(rows: int, max_seqs: int) -> tuple:
             np.empty((rows + max_seqs, 2)), np.empty((rows + max_seqs, 2), dtype=np.int64))
 
 
+# How many times the block store holds what compaction can keep at most (core._new_extent).
+STORE_ROOMS = 2
+
+
 def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, requests, seqs) -> tuple:
-    """core.run's block pool (core.POOL_*): empty, every block free in id order, as BlockPool
-    starts; without prefix caching placeholders (only counts are kept). Fills each request's
-    segment columns of seqs."""
+    """core.run's block pool (core.POOL_*): empty, every block free and never used, as BlockPool
+    starts; without prefix caching placeholders of the same types (only counts are kept). Fills
+    each request's segment columns of seqs."""
     if not allocator.enable_caching:
-        return (np.zeros((1, 1, core.BLOCK_FIELDS), dtype=np.int32), np.zeros((1, 1), dtype=np.int64),
-                np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64),
-                np.full((1, 1, 2), core.EMPTY, dtype=np.uint64), np.zeros((1, 4), dtype=np.int64),
-                np.zeros((1, 1), dtype=np.int64))
-    blocks = allocator.num_blocks
-    state = np.zeros((num_replicas, blocks, core.BLOCK_FIELDS), dtype=np.int32)
-    state[:, :, core.B_WATCH] = state[:, :, core.B_SLOT] = -1
-    queue = np.zeros((num_replicas, 3 * blocks + 1024), dtype=np.int64)
-    queue[:, :blocks] = np.arange(blocks)
-    table_size = 1 << (2 * blocks).bit_length()  # at most half full
-    rows = []
-    for i, request in enumerate(requests):
-        seqs[i, core.SEGMENTS], seqs[i, core.NUM_SEGMENTS] = len(rows), len(request.segments)
-        seqs[i, core.PROMPT_PREFIX], seqs[i, core.OUTPUT_CONTENT] = request.prefix_ids[-1], request.output_content_id
-        rows.extend((start, length, content, prefix) for start, (content, length), prefix
-                    in zip(request.segment_starts, request.segments, request.prefix_ids))
-    max_blocks = max_model_len // allocator.block_size + 1
-    return (state, queue, np.zeros((num_replicas, max_seqs, max_blocks), dtype=np.int64),
-            np.tile(np.arange(max_seqs, dtype=np.int64), (num_replicas, 1)),
-            np.full((num_replicas, table_size, 2), core.EMPTY, dtype=np.uint64),
-            np.array(rows, dtype=np.int64).reshape(-1, 4), np.zeros((num_replicas, max_blocks), dtype=np.int64))
+        return _pool_arrays(1, 1, 1, 1, 1, np.zeros((0, 4), dtype=np.int64))
+    blocks, size = allocator.num_blocks, allocator.block_size
+    counts = np.fromiter((len(r.segments) for r in requests), dtype=np.int64, count=len(requests))
+    seqs[:, core.NUM_SEGMENTS] = counts
+    seqs[:, core.SEGMENTS] = np.cumsum(counts) - counts
+    seqs[:, core.PROMPT_PREFIX] = np.fromiter((r.prefix_ids[-1] for r in requests), dtype=np.int64, count=len(requests))
+    seqs[:, core.OUTPUT_CONTENT] = np.fromiter((r.output_content_id for r in requests), dtype=np.int64,
+                                               count=len(requests))
+    total = int(counts.sum())
+    rows = np.empty((total, 4), dtype=np.int64)  # start, length, content id, prefix id before it
+    rows[:, 0] = np.fromiter(chain.from_iterable(r.segment_starts for r in requests), dtype=np.int64, count=total)
+    rows[:, 1:3] = np.fromiter(chain.from_iterable(chain.from_iterable(r.segments) for r in requests),
+                               dtype=np.int64, count=2 * total).reshape(-1, 2)[:, ::-1]
+    rows[:, 3] = np.fromiter(chain.from_iterable(r.prefix_ids[:-1] for r in requests), dtype=np.int64, count=total)
+    longest = int(seqs[:, core.FINAL_LEN].max()) if len(requests) else 1
+    # Every live block and each running sequence's room for its final length, STORE_ROOMS times.
+    store = STORE_ROOMS * (blocks + max_seqs * (-(-longest // size) + 2)) + 1024
+    pool = _pool_arrays(num_replicas, blocks, max_seqs, store, max_model_len // size + 1, rows)
+    entries = pool[core.POOL_ENTRIES]
+    entries[:, 0, core.Q_EXTENT], entries[:, 0, core.Q_LOW], entries[:, 0, core.Q_HIGH] = -1, 0, blocks
+    entries[:, 0, core.Q_PREV] = entries[:, 0, core.Q_NEXT] = -1
+    return pool
+
+
+def _pool_arrays(num_replicas: int, blocks: int, max_seqs: int, store: int, max_blocks: int,
+                 segments: np.ndarray) -> tuple:
+    """The pool's arrays, zeroed: memory is touched as the run uses it (core._new_row takes
+    rows never used after the free ones)."""
+    num_extents, num_rows = blocks + max_seqs + 2, blocks + 4
+    return (segments, np.zeros((num_replicas, 2, store), dtype=np.int32),
+            np.zeros((num_replicas, num_extents, core.EXTENT_FIELDS), dtype=np.int64),
+            np.zeros((num_replicas, num_rows, core.ENTRY_FIELDS), dtype=np.int64),
+            np.zeros((num_replicas, 2 * num_rows, core.CLAIM_FIELDS), dtype=np.int64),  # chain records too
+            np.full((num_replicas, 1 << (2 * num_rows).bit_length(), 2), core.EMPTY, dtype=np.uint64),
+            np.zeros((num_replicas, 2 * num_extents, 2), dtype=np.int64),
+            np.zeros((num_replicas, max_blocks, 3), dtype=np.int64))
 
 
 def warm_up() -> None:
@@ -150,7 +170,9 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     seq_times[:, core.THINK_S] = think
     seq_times[starts, core.ARRIVAL], seq_times[starts, core.SUBMIT] = arrivals, submits
     rep[:, core.FREE_BLOCKS] = allocator.num_blocks
-    rep[:, core.QUEUE_LEN], rep[:, core.FREE_SLOTS], rep[:, core.MEMO_SEQ] = allocator.num_blocks, max_seqs, -1
+    rep[:, core.QUEUE_HEAD] = rep[:, core.QUEUE_TAIL] = 0  # the entry of blocks never used
+    rep[:, core.FREE_ENTRIES] = rep[:, core.FREE_EXTENTS] = rep[:, core.FREE_CLAIMS] = -1
+    rep[:, core.UNUSED_ENTRIES] = 1
     pool = _pool(allocator, num_replicas, max_seqs, spec.max_model_len, requests, seqs)
     ints, floats = _parameters(setup, allocator, router)
     tables = latency_tables(setup.latency, spec.max_num_batched_tokens, max_seqs)
@@ -172,6 +194,9 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
             on_progress(now)
         if status == core.STUCK:
             raise RuntimeError(f"replica {int(stuck[0])} cannot schedule its waiting queue")
+        if status == core.STORE_FULL:
+            raise RuntimeError(f"replica {int(stuck[0])}: the compiled prefix cache ran out of room (its "
+                               "block store is full; run with engine=python)")
         if status == core.DONE:
             break
     recorder.append_request_frame(_request_frame(requests, seqs, seq_times))
