@@ -489,8 +489,8 @@ def _lookup(pi, seqs, segments, claims, chain_table, memo, store, extents, rep, 
 
 
 @inline
-def _unlink_entry(entries, rep, r, q):
-    before, after = entries[r, q, Q_PREV], entries[r, q, Q_NEXT]
+def _join(entries, rep, r, before, after):
+    """Entry `after` follows entry `before` in the free queue (-1: the queue's head or tail)."""
     if before < 0:
         rep[r, QUEUE_HEAD] = after
     else:
@@ -499,6 +499,11 @@ def _unlink_entry(entries, rep, r, q):
         rep[r, QUEUE_TAIL] = before
     else:
         entries[r, after, Q_PREV] = before
+
+
+@inline
+def _unlink_entry(entries, rep, r, q):
+    _join(entries, rep, r, entries[r, q, Q_PREV], entries[r, q, Q_NEXT])
     _drop_row(entries, rep, r, FREE_ENTRIES, q)
 
 
@@ -509,15 +514,8 @@ def _link_entry(entries, rep, r, e, low, high, after):
     q = _new_row(entries, rep, r, FREE_ENTRIES)
     entries[r, q, Q_EXTENT], entries[r, q, Q_LOW], entries[r, q, Q_HIGH] = e, low, high
     following = rep[r, QUEUE_HEAD] if after < 0 else entries[r, after, Q_NEXT]
-    entries[r, q, Q_PREV], entries[r, q, Q_NEXT] = after, following
-    if after < 0:
-        rep[r, QUEUE_HEAD] = q
-    else:
-        entries[r, after, Q_NEXT] = q
-    if following < 0:
-        rep[r, QUEUE_TAIL] = q
-    else:
-        entries[r, following, Q_PREV] = q
+    _join(entries, rep, r, after, q)
+    _join(entries, rep, r, q, following)
     return q
 
 
@@ -632,13 +630,8 @@ def _evict(pi, seqs, segments, store, extents, claims, chain_table, rep, r, e, l
     keyed_high = min(high, extents[r, e, X_KEYED])
     if keyed_high > low:
         rep[r, CACHED_FREE] -= keyed_high - low
-        s, size = extents[r, e, X_SEQ], pi[P_BLOCK_SIZE]
-        d, j = low, -1
-        while d < keyed_high:
-            chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
-            stop = min(chain_end, keyed_high)
-            _unclaim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start)
-            d = stop
+        _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, extents[r, e, X_SEQ], low, keyed_high,
+                   False)
     extents[r, e, X_LIVE] -= high - low
     _drop_extent_if_done(extents, rep, r, e)
 
@@ -708,14 +701,25 @@ def _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s
 def _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, last):
     """The keys of s's blocks from its extent's first unclaimed one up to depth last go in the
     table."""
-    size, e = pi[P_BLOCK_SIZE], seqs[s, EXTENT]
-    d, j = extents[r, e, X_CLAIMED], -1
-    while d < last:
-        chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
-        stop = min(chain_end, last)
-        _claim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
-        d = stop
+    e = seqs[s, EXTENT]
+    _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, s, extents[r, e, X_CLAIMED], last, True)
     extents[r, e, X_CLAIMED] = last
+
+
+@jit
+def _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, s, low, high, claim):
+    """The keys of extent e's blocks at depths [low, high) (sequence s's), a chain at a time,
+    go in the table (claim) or leave it."""
+    size = pi[P_BLOCK_SIZE]
+    d, j = low, -1
+    while d < high:
+        chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
+        stop = min(chain_end, high)
+        if claim:
+            _claim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
+        else:
+            _unclaim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start)
+        d = stop
 
 
 @inline
