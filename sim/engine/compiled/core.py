@@ -64,20 +64,24 @@ PARAM_INTS = 18
 # output after a prompt, and its record), each chain's record holding a list of claims: a run of
 # the chain's offsets (one per block, block_size apart) whose keys find an extent's blocks from a
 # depth on (evicting a block takes its key out of its claim, so a claim holds live blocks only
-# and there are never more claims than blocks). Extents, entries and claims (chain records among
+# and there are never more claims than blocks). An extent also lists its own claims, deepest
+# first, so that evicting its blocks finds their claims without hashing or segment search. Extents, entries and claims (chain records among
 # them) are rows taken from and returned to free lists (their last field links them). POOL_MEMO
 # holds the last lookup's runs (extent, first depth, end depth; BlockAllocator.free's walk
 # writes there too, never between a lookup and its admission); POOL_SEGMENTS the requests'
-# prompt segments as rows (start, length, content id, prefix id).
+# prompt segments as rows (start, content id, the prefix id before it).
 POOL_SEGMENTS, POOL_STORE, POOL_EXTENTS, POOL_ENTRIES, POOL_CLAIMS, POOL_CHAIN_TABLE, POOL_ORDER, \
     POOL_MEMO = range(8)
 REF, PLACE = range(2)  # the store's rows
-X_SEQ, X_BASE, X_STORE_LOW, X_CAPACITY, X_HIGH, X_KEYED, X_CLAIMED, X_LIVE, X_HELD, X_LINK = range(10)
-EXTENT_FIELDS = 10
+X_SEQ, X_BASE, X_STORE_LOW, X_CAPACITY, X_HIGH, X_KEYED, X_CLAIMED, X_LIVE, X_HELD, X_CLAIMS, \
+    X_LINK = range(11)
+EXTENT_FIELDS = 11
 Q_EXTENT, Q_LOW, Q_HIGH, Q_PREV, Q_NEXT = range(5)
 ENTRY_FIELDS = 5
-C_EXTENT, C_LOW, C_HIGH, C_DEPTH, C_NEXT = range(5)
-CLAIM_FIELDS = 5
+# A claim: its extent, offsets, first depth, chain record, the chain's list (doubly linked) and
+# its extent's own list (deepest first: X_CLAIMS its head), so that eviction finds it unhashed.
+C_EXTENT, C_LOW, C_HIGH, C_DEPTH, C_CHAIN, C_PREV, C_OWN_NEXT, C_NEXT = range(8)
+CLAIM_FIELDS = 8
 H_HEAD, H_SLOT = range(2)  # a chain's record: a row of the claims array
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 NO_END = 1 << 62  # the output chain's end depth
@@ -97,10 +101,14 @@ TIMELINE_INTS = 15
 # What run() stopped at.
 DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK, STORE_FULL = range(5)
 
-jit = numba.njit(cache=True, nogil=True)
-# Small helpers called per sequence or per run of blocks are inlined where they are called: a
-# call that is not costs two atomic reference counts per array argument.
-inline = numba.njit(cache=True, nogil=True, inline="always")
+# Only run() allocates arrays; every function it calls is compiled without numba's reference
+# counting (_nrt=False), which otherwise costs two atomic operations per array argument per
+# call: a third of the loop's time (measured with perf, benchmarks/README.md). They only read
+# and write the arrays run() holds, so no count is needed to keep them alive.
+entry = numba.njit(cache=True, nogil=True)
+jit = numba.njit(cache=True, nogil=True, _nrt=False)
+# Small helpers called per sequence or per run of blocks are inlined where they are called.
+inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
 
 
 @jit
@@ -258,7 +266,7 @@ def _chain_span(pi, seqs, segments, s, d, j):
     while j < last and segments[j + 1, 0] <= end - 1:  # the last of equal starts
         j += 1
     next_start = segments[j + 1, 0] if j < last else prompt
-    return _chain(segments[j, 3], segments[j, 2]), segments[j, 0], next_start // size, j
+    return _chain(segments[j, 2], segments[j, 1]), segments[j, 0], next_start // size, j
 
 
 @inline
@@ -370,10 +378,11 @@ def _next_claimed(claims, r, head, offset, size, limit):
 
 
 @jit
-def _claim(pi, claims, chain_table, rep, r, e, chain, low, high, depth):
+def _claim(pi, claims, extents, chain_table, rep, r, e, chain, low, high, depth):
     """cached.setdefault for the keys at offsets [low, high) of a chain, held by extent e's
     blocks from depth on: e claims the offsets no block claims yet (its other blocks are
-    duplicates, keyed but never found)."""
+    duplicates, keyed but never found). e's claims come deepest first, so the one that may grow
+    (ending at the offset, on this chain) is its newest."""
     size = pi[P_BLOCK_SIZE]
     h = _find_chain(chain_table, r, chain)
     if h < 0:
@@ -385,56 +394,81 @@ def _claim(pi, claims, chain_table, rep, r, e, chain, low, high, depth):
             offset = min(claims[r, c, C_HIGH], high)
             continue
         stop = _next_claimed(claims, r, claims[r, h, H_HEAD], offset, size, high)
-        at = depth + (offset - low) // size
-        c = claims[r, h, H_HEAD]  # e's claim ending at offset grows, else a new claim
-        while c >= 0 and not (claims[r, c, C_EXTENT] == e and claims[r, c, C_HIGH] == offset):
-            c = claims[r, c, C_NEXT]
-        if c < 0:
-            c = _new_row(claims, rep, r, FREE_CLAIMS)
-            claims[r, c, C_EXTENT], claims[r, c, C_LOW], claims[r, c, C_DEPTH] = e, offset, at
-            claims[r, c, C_NEXT] = claims[r, h, H_HEAD]
-            claims[r, h, H_HEAD] = c
+        c = extents[r, e, X_CLAIMS]
+        if c < 0 or claims[r, c, C_CHAIN] != h or claims[r, c, C_HIGH] != offset:
+            c = _new_claim(claims, rep, r, h, e, offset, depth + (offset - low) // size)
+            claims[r, c, C_OWN_NEXT] = extents[r, e, X_CLAIMS]
+            extents[r, e, X_CLAIMS] = c
         claims[r, c, C_HIGH] = stop
         offset = stop
 
 
-@jit
-def _unclaim(pi, claims, chain_table, rep, r, e, chain, low, high):
-    """del cached[key] for the keys at offsets [low, high) of a chain that extent e claims."""
-    size = pi[P_BLOCK_SIZE]
-    h = _find_chain(chain_table, r, chain)
-    if h < 0:
-        return
-    before, c = -1, claims[r, h, H_HEAD]
-    while c >= 0:
-        following = claims[r, c, C_NEXT]
-        c_low, c_high = claims[r, c, C_LOW], claims[r, c, C_HIGH]
-        if claims[r, c, C_EXTENT] != e or c_high <= low or c_low >= high or (c_low - low) % size:
-            before, c = c, following
-            continue
-        if low <= c_low and c_high <= high:  # all of it
-            if before < 0:
-                claims[r, h, H_HEAD] = following
-            else:
-                claims[r, before, C_NEXT] = following
-            _drop_row(claims, rep, r, FREE_CLAIMS, c)
-            c = following
-            continue
-        if c_low < low and high < c_high:  # its middle: the part above becomes a claim
-            upper = _new_row(claims, rep, r, FREE_CLAIMS)
-            claims[r, upper, C_EXTENT], claims[r, upper, C_LOW], claims[r, upper, C_HIGH] = e, high, c_high
-            claims[r, upper, C_DEPTH] = claims[r, c, C_DEPTH] + (high - c_low) // size
-            claims[r, upper, C_NEXT] = following
-            claims[r, c, C_NEXT] = upper
-            claims[r, c, C_HIGH] = low
-        elif c_low < low:  # its top
-            claims[r, c, C_HIGH] = low
-        else:  # its bottom
-            claims[r, c, C_DEPTH] += (high - c_low) // size
-            claims[r, c, C_LOW] = high
-        before, c = c, following
+@inline
+def _new_claim(claims, rep, r, h, e, offset, depth):
+    """A claim of extent e from offset (at depth) on, first in chain record h's list."""
+    c = _new_row(claims, rep, r, FREE_CLAIMS)
+    head = claims[r, h, H_HEAD]
+    claims[r, c, C_EXTENT], claims[r, c, C_LOW], claims[r, c, C_HIGH], claims[r, c, C_DEPTH] = e, offset, offset, depth
+    claims[r, c, C_CHAIN], claims[r, c, C_PREV], claims[r, c, C_NEXT] = h, -1, head
+    if head >= 0:
+        claims[r, head, C_PREV] = c
+    claims[r, h, H_HEAD] = c
+    return c
+
+
+@inline
+def _drop_claim(claims, chain_table, rep, r, c):
+    """A claim leaves its chain's list (and the chain the table, with its last claim)."""
+    h, before, after = claims[r, c, C_CHAIN], claims[r, c, C_PREV], claims[r, c, C_NEXT]
+    if before < 0:
+        claims[r, h, H_HEAD] = after
+    else:
+        claims[r, before, C_NEXT] = after
+    if after >= 0:
+        claims[r, after, C_PREV] = before
+    _drop_row(claims, rep, r, FREE_CLAIMS, c)
     if claims[r, h, H_HEAD] < 0:
         _drop_chain(chain_table, claims, rep, r, h)
+
+
+@jit
+def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
+    """del cached[key] for the keys of extent e's blocks at depths [low, high): its claims (its
+    own list, deepest first) lose those depths."""
+    size = pi[P_BLOCK_SIZE]
+    before, c = -1, extents[r, e, X_CLAIMS]
+    while c >= 0:
+        following = claims[r, c, C_OWN_NEXT]
+        first = claims[r, c, C_DEPTH]
+        end = first + (claims[r, c, C_HIGH] - claims[r, c, C_LOW]) // size
+        if end <= low:  # and so every claim after it
+            break
+        if first >= high:
+            before, c = c, following
+            continue
+        if low <= first and end <= high:  # all of it
+            if before < 0:
+                extents[r, e, X_CLAIMS] = following
+            else:
+                claims[r, before, C_OWN_NEXT] = following
+            _drop_claim(claims, chain_table, rep, r, c)
+            c = following
+            continue
+        if first < low and high < end:  # its middle: the part above becomes a claim, before it
+            upper = _new_claim(claims, rep, r, claims[r, c, C_CHAIN], e,
+                               claims[r, c, C_LOW] + (high - first) * size, high)
+            claims[r, upper, C_HIGH], claims[r, upper, C_OWN_NEXT] = claims[r, c, C_HIGH], c
+            if before < 0:
+                extents[r, e, X_CLAIMS] = upper
+            else:
+                claims[r, before, C_OWN_NEXT] = upper
+            claims[r, c, C_HIGH] = claims[r, c, C_LOW] + (low - first) * size
+        elif first < low:  # its top
+            claims[r, c, C_HIGH] = claims[r, c, C_LOW] + (low - first) * size
+        else:  # its bottom
+            claims[r, c, C_LOW] += (high - first) * size
+            claims[r, c, C_DEPTH] = high
+        before, c = c, following
 
 
 @jit
@@ -607,7 +641,7 @@ def _new_extent(pi, store, extents, order, rep, r, s, low, capacity):
     extents[r, e, X_SEQ], extents[r, e, X_BASE], extents[r, e, X_STORE_LOW] = s, rep[r, STORE_TOP], low
     extents[r, e, X_CAPACITY], extents[r, e, X_HIGH], extents[r, e, X_KEYED] = capacity, low, low
     extents[r, e, X_CLAIMED] = low
-    extents[r, e, X_LIVE], extents[r, e, X_HELD] = 0, 1
+    extents[r, e, X_LIVE], extents[r, e, X_HELD], extents[r, e, X_CLAIMS] = 0, 1, -1
     order[r, rep[r, ORDER_LEN], 0], order[r, rep[r, ORDER_LEN], 1] = e, rep[r, STORE_TOP]
     rep[r, ORDER_LEN] += 1
     rep[r, STORE_TOP] += capacity
@@ -622,16 +656,15 @@ def _drop_extent_if_done(extents, rep, r, e):
         _drop_row(extents, rep, r, FREE_EXTENTS, e)
 
 
-@jit
-def _evict(pi, seqs, segments, store, extents, claims, chain_table, rep, r, e, low, high):
+@inline
+def _evict(pi, store, extents, claims, chain_table, rep, r, e, low, high):
     """Extent e's free blocks [low, high) are taken: those holding keys lose them."""
     shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
     store[r, REF, low + shift:high + shift] = -1
     keyed_high = min(high, extents[r, e, X_KEYED])
     if keyed_high > low:
         rep[r, CACHED_FREE] -= keyed_high - low
-        _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, extents[r, e, X_SEQ], low, keyed_high,
-                   False)
+        _unclaim(pi, claims, extents, chain_table, rep, r, e, low, keyed_high)
     extents[r, e, X_LIVE] -= high - low
     _drop_extent_if_done(extents, rep, r, e)
 
@@ -648,7 +681,7 @@ def _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep,
         m = min(count - taken, high - low)
         entries[r, q, Q_HIGH] = high - m
         if victim >= 0:
-            _evict(pi, seqs, segments, store, extents, claims, chain_table, rep, r, victim, high - m, high)
+            _evict(pi, store, extents, claims, chain_table, rep, r, victim, high - m, high)
         if high - m == low:
             _unlink_entry(entries, rep, r, q)
         taken += m
@@ -702,23 +735,20 @@ def _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, l
     """The keys of s's blocks from its extent's first unclaimed one up to depth last go in the
     table."""
     e = seqs[s, EXTENT]
-    _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, s, extents[r, e, X_CLAIMED], last, True)
+    _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, extents[r, e, X_CLAIMED], last)
     extents[r, e, X_CLAIMED] = last
 
 
 @jit
-def _key_range(pi, seqs, segments, claims, chain_table, rep, r, e, s, low, high, claim):
-    """The keys of extent e's blocks at depths [low, high) (sequence s's), a chain at a time,
-    go in the table (claim) or leave it."""
+def _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, low, high):
+    """The keys of extent e's blocks at depths [low, high) (sequence s's) go in the table, a
+    chain at a time."""
     size = pi[P_BLOCK_SIZE]
     d, j = low, -1
     while d < high:
         chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
         stop = min(chain_end, high)
-        if claim:
-            _claim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
-        else:
-            _unclaim(pi, claims, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start)
+        _claim(pi, claims, extents, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
         d = stop
 
 
@@ -1096,7 +1126,7 @@ def _next_turn(pi, pf, seqs, seq_times, s, now, later_times, later_rows, later_o
     _later_push(pi, later_times, later_rows, later_order, seq_times[nxt, SUBMIT], nxt)
 
 
-@jit
+@entry
 def run(pi, pf, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, pool, starts, start_end,
         later_times, later_rows, later_order, timeline_times, timeline_ints, itl_floats, itl_ints,
         out_counts, stuck):

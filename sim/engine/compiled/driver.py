@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import pandas as pd
@@ -93,20 +94,25 @@ def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, reque
     starts; without prefix caching placeholders of the same types (only counts are kept). Fills
     each request's segment columns of seqs."""
     if not allocator.enable_caching:
-        return _pool_arrays(1, 1, 1, 1, 1, np.zeros((0, 4), dtype=np.int64))
+        return _pool_arrays(1, 1, 1, 1, 1, np.zeros((0, 3), dtype=np.int64))
     blocks, size = allocator.num_blocks, allocator.block_size
-    counts = np.fromiter((len(r.segments) for r in requests), dtype=np.int64, count=len(requests))
+    counts = np.fromiter(map(len, map(attrgetter("segments"), requests)), dtype=np.int64, count=len(requests))
+    total = int(counts.sum())
     seqs[:, core.NUM_SEGMENTS] = counts
     seqs[:, core.SEGMENTS] = np.cumsum(counts) - counts
-    seqs[:, core.PROMPT_PREFIX] = np.fromiter((r.prefix_ids[-1] for r in requests), dtype=np.int64, count=len(requests))
-    seqs[:, core.OUTPUT_CONTENT] = np.fromiter((r.output_content_id for r in requests), dtype=np.int64,
+    seqs[:, core.OUTPUT_CONTENT] = np.fromiter(map(attrgetter("output_content_id"), requests), dtype=np.int64,
                                                count=len(requests))
-    total = int(counts.sum())
-    rows = np.empty((total, 4), dtype=np.int64)  # start, length, content id, prefix id before it
-    rows[:, 0] = np.fromiter(chain.from_iterable(r.segment_starts for r in requests), dtype=np.int64, count=total)
-    rows[:, 1:3] = np.fromiter(chain.from_iterable(chain.from_iterable(r.segments) for r in requests),
-                               dtype=np.int64, count=2 * total).reshape(-1, 2)[:, ::-1]
-    rows[:, 3] = np.fromiter(chain.from_iterable(r.prefix_ids[:-1] for r in requests), dtype=np.int64, count=total)
+    # Each request's prefix ids: one before each segment, then the whole prompt's.
+    prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), requests)), dtype=np.int64,
+                             count=total + len(requests))
+    whole_prompt = np.cumsum(counts + 1) - 1
+    seqs[:, core.PROMPT_PREFIX] = prefix_ids[whole_prompt]
+    rows = np.empty((total, 3), dtype=np.int64)  # start, content id, prefix id before it
+    rows[:, 0] = np.fromiter(chain.from_iterable(map(attrgetter("segment_starts"), requests)), dtype=np.int64,
+                             count=total)
+    rows[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), requests))),
+                             dtype=np.int64, count=total)
+    rows[:, 2] = np.delete(prefix_ids, whole_prompt)
     longest = int(seqs[:, core.FINAL_LEN].max()) if len(requests) else 1
     # Every live block and each running sequence's room for its final length, STORE_ROOMS times.
     store = STORE_ROOMS * (blocks + max_seqs * (-(-longest // size) + 2)) + 1024
