@@ -38,6 +38,10 @@ CASES = {
     "chat_sessions_rejected_turns": ["scenario=chat", "scenario.num_sessions=60", "max_model_len=3000"],
     "agentic_chains": ["scenario=trace", "trace.path=sample:agentic", "trace.max_requests=80",
                        "model=llama3_8b", "cluster.num_replicas=2"],
+    # Repeated traces, streamed: the loop tiles one copy's rows (sim.engine.compiled.rows).
+    "repeated_trace": [*SHAREGPT, "scenario.max_requests=100", "+scenario.repeat=3"],
+    "repeated_agentic_chains": ["scenario=trace", "trace.path=sample:agentic", "trace.max_requests=40",
+                                "trace.repeat=3", "model=llama3_8b", "cluster.num_replicas=2"],
     # The golden run: a memory-bound rag_agents whose prefix cache evicts and revives blocks.
     "golden": ["+experiment=golden"],
     "golden_block_1": ["+experiment=golden", "block_size=1"],
@@ -163,3 +167,22 @@ def test_the_step_clock_is_the_latency_models_bit_for_bit():
                             shape.prefill_causal_pairs, shape.prefill_kv_tokens, shape.num_decode_seqs,
                             shape.decode_context_tokens, shape.num_sampled], dtype=np.int64)
             assert core.step_time(ints, floats, row, *tables) == latency.step_time(shape), shape
+
+
+@pytest.mark.parametrize("fmt, path", [("length_stats", "sample:sharegpt"), ("agentic", "sample:agentic"),
+                                       ("mooncake", "sample:mooncake")])
+def test_a_repeated_traces_rows_are_its_copies_rows(fmt, path):
+    """The rows tiled from one copy of a streamed repeat equal the rows read from every copy built
+    as objects (ids, prefix ids, content ids, next turns, arrivals)."""
+    from dataclasses import fields
+
+    from sim.engine.compiled.rows import request_rows
+    from sim.workload.request import RepeatedSessions
+    from sim.workload.trace import TraceSpec, build_workload
+    spec = TraceSpec(path=path, format=fmt, repeat=3, max_requests=60)
+    workload = build_workload(spec, 0)
+    assert isinstance(workload.sessions, RepeatedSessions)
+    streamed, built = request_rows(workload), request_rows(build_workload(spec, 0, stream=False))
+    assert len(streamed) == 3 * len(request_rows(build_workload(TraceSpec(path=path, format=fmt, max_requests=60), 0)))
+    for field in fields(streamed):
+        assert np.array_equal(getattr(streamed, field.name), getattr(built, field.name)), field.name

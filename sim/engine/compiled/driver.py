@@ -3,13 +3,11 @@ recorder: the same records the Python engine's replicas and cluster append, in c
 from __future__ import annotations
 
 import math
-from itertools import chain
-from operator import attrgetter, itemgetter
-
 import numpy as np
 import pandas as pd
 
 from sim.engine.compiled import core
+from sim.engine.compiled.rows import RequestRows, arrival_clock, request_rows
 from sim.engine.compiled.tables import latency_parameters, latency_tables
 from sim.engine.records import StepRecord
 from sim.recorder import REQUEST_COLUMNS, Recorder
@@ -19,28 +17,6 @@ ROWS_PER_CALL = 1 << 16          # timeline rows the loop writes before handing 
 SESSIONS_PER_CALL = 1 << 14      # sessions started per call (progress is reported between calls)
 ROUTERS = {"requests": core.ROUTE_REQUESTS, "waiting": core.ROUTE_WAITING,
            "queued_tokens": core.ROUTE_QUEUED_TOKENS}
-
-
-def _requests(workload, serving_overhead_s: float):
-    """Every request in rows: sessions (and their chains) in the cluster's arrival order, each
-    session's turns one after another. Returns the requests, each session's first row, the next
-    turn's row of each row (-1: none), each row's think time, and the first rows' arrival and
-    submit times as the cluster's SimPy clock reaches them (one addition after another)."""
-    requests, starts, next_turn, think, arrivals = [], [], [], [], []
-    now = 0.0
-    for session in workload.in_arrival_order():
-        if session.arrival_time_s > now:
-            now = now + (session.arrival_time_s - now)
-        starts.append(len(requests))
-        arrivals.append(now)
-        for turn, request in enumerate(session.turns):
-            requests.append(request)
-            next_turn.append(len(requests) if turn + 1 < len(session.turns) else -1)
-            think.append(request.think_time_s)
-    arrivals = np.array(arrivals, dtype=np.float64)
-    submits = arrivals + serving_overhead_s if serving_overhead_s else arrivals
-    return (requests, np.array(starts, dtype=np.int64), np.array(next_turn, dtype=np.int64),
-            np.array(think, dtype=np.float64), arrivals, submits)
 
 
 def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
@@ -89,34 +65,21 @@ def _outputs(rows: int, max_seqs: int) -> tuple:
 STORE_ROOMS = 2
 
 
-def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, requests, seqs) -> tuple:
+def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, requests: RequestRows, seqs) -> tuple:
     """core.run's block pool (core.POOL_*): empty, every block free and never used, as BlockPool
     starts; without prefix caching placeholders of the same types (only counts are kept). Fills
     each request's segment columns of seqs."""
     if not allocator.enable_caching:
         return _pool_arrays(1, 1, 1, 1, 1, np.zeros((0, 3), dtype=np.int64))
     blocks, size = allocator.num_blocks, allocator.block_size
-    counts = np.fromiter(map(len, map(attrgetter("segments"), requests)), dtype=np.int64, count=len(requests))
-    total = int(counts.sum())
-    seqs[:, core.NUM_SEGMENTS] = counts
-    seqs[:, core.SEGMENTS] = np.cumsum(counts) - counts
-    seqs[:, core.OUTPUT_CONTENT] = np.fromiter(map(attrgetter("output_content_id"), requests), dtype=np.int64,
-                                               count=len(requests))
-    # Each request's prefix ids: one before each segment, then the whole prompt's.
-    prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), requests)), dtype=np.int64,
-                             count=total + len(requests))
-    whole_prompt = np.cumsum(counts + 1) - 1
-    seqs[:, core.PROMPT_PREFIX] = prefix_ids[whole_prompt]
-    rows = np.empty((total, 3), dtype=np.int64)  # start, content id, prefix id before it
-    rows[:, 0] = np.fromiter(chain.from_iterable(map(attrgetter("segment_starts"), requests)), dtype=np.int64,
-                             count=total)
-    rows[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), requests))),
-                             dtype=np.int64, count=total)
-    rows[:, 2] = np.delete(prefix_ids, whole_prompt)
+    seqs[:, core.NUM_SEGMENTS] = requests.num_segments
+    seqs[:, core.SEGMENTS] = np.cumsum(requests.num_segments) - requests.num_segments
+    seqs[:, core.OUTPUT_CONTENT] = requests.output_content
+    seqs[:, core.PROMPT_PREFIX] = requests.prompt_prefix
     longest = int(seqs[:, core.FINAL_LEN].max()) if len(requests) else 1
     # Every live block and each running sequence's room for its final length, STORE_ROOMS times.
     store = STORE_ROOMS * (blocks + max_seqs * (-(-longest // size) + 2)) + 1024
-    pool = _pool_arrays(num_replicas, blocks, max_seqs, store, max_model_len // size + 1, rows)
+    pool = _pool_arrays(num_replicas, blocks, max_seqs, store, max_model_len // size + 1, requests.segments)
     entries = pool[core.POOL_ENTRIES]
     entries[:, 0, core.Q_EXTENT], entries[:, 0, core.Q_LOW], entries[:, 0, core.Q_HIGH] = -1, 0, blocks
     entries[:, 0, core.Q_PREV] = entries[:, 0, core.Q_NEXT] = -1
@@ -146,7 +109,7 @@ def warm_up() -> None:
     f1, f2, f3 = (np.zeros((1,) * n) for n in (1, 2, 3))
     tables = (f3, f2, f2, f1, f2, f2, i1, f1, f1, f1, f1, f1, f1)
     seqs, seq_times, rep, rep_times, running, waiting, plan, later = _state(0, 1, 1)
-    pool = _pool(BlockAllocatorShape(), 1, 1, 1, [], seqs)
+    pool = _pool(BlockAllocatorShape(), 1, 1, 1, None, seqs)
     core.run(ints, floats, seqs, seq_times, rep, rep_times, running, waiting, plan, tables, pool,
              np.zeros(0, dtype=np.int64), 0, *later, *_outputs(1, 1), np.zeros(4, dtype=np.int64), i1)
 
@@ -160,20 +123,21 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     """The run as the Python engine would make it, recorded in the same rows; returns the
     events the loop handled."""
     spec = setup.spec
-    requests, starts, next_turn, think, arrivals, submits = _requests(workload, spec.serving_overhead_s)
+    requests = request_rows(workload)
+    arrivals = arrival_clock(requests.arrival_s)
+    submits = arrivals + spec.serving_overhead_s if spec.serving_overhead_s else arrivals
     num, num_replicas, max_seqs = len(requests), spec.num_replicas, spec.max_num_seqs
     empty = allocator.usage()
     for index in range(num_replicas):
         recorder.append_step(StepRecord(index, workload.first_arrival_s, empty, 0, 0, 0, 0))
     seqs, seq_times, rep, rep_times, running, waiting, plan, later = _state(num, num_replicas, max_seqs)
-    prompts = np.fromiter((r.prompt_len for r in requests), dtype=np.int64, count=num)
-    outputs = np.fromiter((r.output_len for r in requests), dtype=np.int64, count=num)
-    seqs[:, core.PROMPT] = seqs[:, core.TOKENS] = prompts
-    seqs[:, core.OUTPUT_LEN] = outputs
-    seqs[:, core.FINAL_LEN] = np.minimum(prompts + outputs, spec.max_model_len)
+    seqs[:, core.PROMPT] = seqs[:, core.TOKENS] = requests.prompt
+    seqs[:, core.OUTPUT_LEN] = requests.output
+    seqs[:, core.FINAL_LEN] = np.minimum(requests.prompt + requests.output, spec.max_model_len)
     seqs[:, core.REPLICA] = -1
-    seqs[:, core.NEXT_TURN] = next_turn
-    seq_times[:, core.THINK_S] = think
+    seqs[:, core.NEXT_TURN] = requests.next_turn
+    seq_times[:, core.THINK_S] = requests.think_s
+    starts = requests.starts
     seq_times[starts, core.ARRIVAL], seq_times[starts, core.SUBMIT] = arrivals, submits
     rep[:, core.FREE_BLOCKS] = allocator.num_blocks
     rep[:, core.QUEUE_HEAD] = rep[:, core.QUEUE_TAIL] = 0  # the entry of blocks never used
@@ -209,16 +173,16 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     return num_events
 
 
-def _request_frame(requests, seqs: np.ndarray, seq_times: np.ndarray) -> pd.DataFrame:
+def _request_frame(requests: RequestRows, seqs: np.ndarray, seq_times: np.ndarray) -> pd.DataFrame:
     """The rows Recorder.append_finished and append_rejected write, of every request done."""
     done = seqs[:, core.STATUS] != core.PENDING
     seqs, seq_times = seqs[done], seq_times[done]
-    requests = [r for r, d in zip(requests, done.tolist()) if d]
     finished = seqs[:, core.STATUS] == core.FINISHED
     outputs = np.where(finished, seqs[:, core.OUTPUTS], 0)
     columns = {
-        "request_id": [r.request_id for r in requests], "session_id": [r.session_id for r in requests],
-        "turn": [r.turn for r in requests], "replica": np.where(finished, seqs[:, core.REPLICA], -1),
+        "request_id": requests.request_id[done], "session_id": requests.session_id[done],
+        "turn": requests.turn[done],
+        "replica": np.where(finished, seqs[:, core.REPLICA], -1),
         "status": np.where(finished, "finished", "rejected").astype(object),
         "arrival_time_s": seq_times[:, core.ARRIVAL], "first_token_time_s": seq_times[:, core.FIRST_TOKEN],
         "finish_time_s": seq_times[:, core.FINISH], "prompt_tokens": seqs[:, core.PROMPT],

@@ -1,0 +1,108 @@
+"""The workload as the compiled loop reads it: a row per request, sessions (and their chains) in
+the cluster's arrival order, each session's turns one after another, in columns. A repeated trace
+(sim.workload.request.RepeatedSessions) is read once and its copies are tiled with their shifts,
+the same ids and times RepeatedSessions._shifted gives them, so that its requests are never built
+as objects (building them took about 10 us a request, most of a million-request run's loop)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, itemgetter
+
+import numpy as np
+
+from sim.workload.request import RepeatedSessions
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    prompt: np.ndarray          # prompt tokens
+    output: np.ndarray          # output tokens asked for
+    next_turn: np.ndarray       # the row of the session's next turn, -1: none
+    think_s: np.ndarray         # think time before the turn
+    request_id: np.ndarray
+    session_id: np.ndarray
+    turn: np.ndarray
+    output_content: np.ndarray  # the output's content id
+    prompt_prefix: np.ndarray   # the whole prompt's prefix id
+    num_segments: np.ndarray
+    segments: np.ndarray        # a row per prompt segment: start, content id, prefix id before it
+    starts: np.ndarray          # each session's first row
+    arrival_s: np.ndarray       # each session's arrival time
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+
+def request_rows(workload) -> RequestRows:
+    sessions = workload.sessions
+    if isinstance(sessions, RepeatedSessions):
+        return _tiled(_read(sessions.one_copy), sessions.repeat, sessions.shift)
+    return _read(workload.in_arrival_order())
+
+
+def arrival_clock(arrival_s: np.ndarray) -> np.ndarray:
+    """The sessions' arrival times as the cluster's SimPy clock reaches them (one addition after
+    another, as its timeouts add them)."""
+    now, clock = 0.0, []
+    for when in arrival_s.tolist():
+        if when > now:
+            now = now + (when - now)
+        clock.append(now)
+    return np.array(clock, dtype=np.float64)
+
+
+def _read(sessions) -> RequestRows:
+    requests, starts, next_turn, arrivals = [], [], [], []
+    for session in sessions:
+        starts.append(len(requests))
+        arrivals.append(session.arrival_time_s)
+        for turn, request in enumerate(session.turns):
+            requests.append(request)
+            next_turn.append(len(requests) if turn + 1 < len(session.turns) else -1)
+
+    def column(name, dtype=np.int64):
+        return np.fromiter(map(attrgetter(name), requests), dtype=dtype, count=len(requests))
+
+    counts = np.fromiter(map(len, map(attrgetter("segments"), requests)), dtype=np.int64, count=len(requests))
+    total = int(counts.sum())
+    # Each request's prefix ids: one before each segment, then the whole prompt's.
+    prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), requests)), dtype=np.int64,
+                             count=total + len(requests))
+    whole_prompt = np.cumsum(counts + 1) - 1
+    segments = np.empty((total, 3), dtype=np.int64)
+    segments[:, 0] = np.fromiter(chain.from_iterable(map(attrgetter("segment_starts"), requests)),
+                                 dtype=np.int64, count=total)
+    segments[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), requests))),
+                                 dtype=np.int64, count=total)
+    segments[:, 2] = np.delete(prefix_ids, whole_prompt)
+    return RequestRows(column("prompt_len"), column("output_len"), np.array(next_turn, dtype=np.int64),
+                       column("think_time_s", np.float64), column("request_id"), column("session_id"),
+                       column("turn"), column("output_content_id"), prefix_ids[whole_prompt], counts, segments,
+                       np.array(starts, dtype=np.int64), np.array(arrivals, dtype=np.float64))
+
+
+def _tiled(one: RequestRows, repeat: int, shift) -> RequestRows:
+    """`repeat` copies of one copy's rows, copy k's ids shifted by k x the shift and its arrivals
+    by k x the period (the interned prefix 0, the empty prefix, stays 0)."""
+    num_rows, copies = len(one), np.arange(repeat, dtype=np.int64)[:, None]
+
+    def tile(column):
+        return np.tile(column, repeat)
+
+    def shifted(column, by):
+        return (column[None, :] + copies * by).ravel()
+
+    def prefixes(column):
+        return np.where(tile(column) == 0, 0, shifted(column, shift.prefixes))
+
+    segments = np.empty((repeat * len(one.segments), 3), dtype=np.int64)
+    segments[:, 0] = tile(one.segments[:, 0])
+    segments[:, 1] = shifted(one.segments[:, 1], shift.contents)
+    segments[:, 2] = prefixes(one.segments[:, 2])
+    next_turn = np.where(tile(one.next_turn) < 0, -1, shifted(one.next_turn, num_rows))
+    arrival_s = (one.arrival_s[None, :] + copies * shift.period_s).ravel()
+    return RequestRows(tile(one.prompt), tile(one.output), next_turn, tile(one.think_s),
+                       shifted(one.request_id, shift.requests), shifted(one.session_id, shift.sessions),
+                       tile(one.turn), shifted(one.output_content, shift.contents), prefixes(one.prompt_prefix),
+                       tile(one.num_segments), segments, shifted(one.starts, num_rows), arrival_s)
