@@ -3,6 +3,7 @@ recorder: the same records the Python engine's replicas and cluster append, in c
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import pandas as pd
 
@@ -72,14 +73,15 @@ def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, reque
     if not allocator.enable_caching:
         return _pool_arrays(1, 1, 1, 1, 1, np.zeros((0, 3), dtype=np.int64))
     blocks, size = allocator.num_blocks, allocator.block_size
-    seqs[:, core.NUM_SEGMENTS] = requests.num_segments
-    seqs[:, core.SEGMENTS] = np.cumsum(requests.num_segments) - requests.num_segments
-    seqs[:, core.OUTPUT_CONTENT] = requests.output_content
-    seqs[:, core.PROMPT_PREFIX] = requests.prompt_prefix
+    keys = requests.keys
+    seqs[:, core.NUM_SEGMENTS] = keys.num_segments
+    seqs[:, core.SEGMENTS] = np.cumsum(keys.num_segments) - keys.num_segments
+    seqs[:, core.OUTPUT_CONTENT] = keys.output_content
+    seqs[:, core.PROMPT_PREFIX] = keys.prompt_prefix
     longest = int(seqs[:, core.FINAL_LEN].max()) if len(requests) else 1
     # Every live block and each running sequence's room for its final length, STORE_ROOMS times.
     store = STORE_ROOMS * (blocks + max_seqs * (-(-longest // size) + 2)) + 1024
-    pool = _pool_arrays(num_replicas, blocks, max_seqs, store, max_model_len // size + 1, requests.segments)
+    pool = _pool_arrays(num_replicas, blocks, max_seqs, store, max_model_len // size + 1, keys.segments)
     entries = pool[core.POOL_ENTRIES]
     entries[:, 0, core.Q_EXTENT], entries[:, 0, core.Q_LOW], entries[:, 0, core.Q_HIGH] = -1, 0, blocks
     entries[:, 0, core.Q_PREV] = entries[:, 0, core.Q_NEXT] = -1
@@ -123,7 +125,7 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     """The run as the Python engine would make it, recorded in the same rows; returns the
     events the loop handled."""
     spec = setup.spec
-    requests = request_rows(workload)
+    requests = request_rows(workload, with_keys=allocator.enable_caching)
     arrivals = arrival_clock(requests.arrival_s)
     submits = arrivals + spec.serving_overhead_s if spec.serving_overhead_s else arrivals
     num, num_replicas, max_seqs = len(requests), spec.num_replicas, spec.max_num_seqs

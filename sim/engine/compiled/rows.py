@@ -15,6 +15,15 @@ from sim.workload.request import RepeatedSessions
 
 
 @dataclass(frozen=True)
+class PromptKeys:
+    """What the prefix cache keys blocks by (sim.workload.request.Request.prefix_key), in rows."""
+    output_content: np.ndarray  # each request's output content id
+    prompt_prefix: np.ndarray   # each request's whole-prompt prefix id
+    num_segments: np.ndarray    # each request's prompt segments
+    segments: np.ndarray        # a row per prompt segment: start, content id, prefix id before it
+
+
+@dataclass(frozen=True)
 class RequestRows:
     prompt: np.ndarray          # prompt tokens
     output: np.ndarray          # output tokens asked for
@@ -23,22 +32,20 @@ class RequestRows:
     request_id: np.ndarray
     session_id: np.ndarray
     turn: np.ndarray
-    output_content: np.ndarray  # the output's content id
-    prompt_prefix: np.ndarray   # the whole prompt's prefix id
-    num_segments: np.ndarray
-    segments: np.ndarray        # a row per prompt segment: start, content id, prefix id before it
     starts: np.ndarray          # each session's first row
     arrival_s: np.ndarray       # each session's arrival time
+    keys: PromptKeys | None     # read only for a prefix cache
 
     def __len__(self) -> int:
         return len(self.prompt)
 
 
-def request_rows(workload) -> RequestRows:
+def request_rows(workload, with_keys: bool) -> RequestRows:
+    """The workload's rows; with_keys: with the prompts' keys too (a prefix cache's run)."""
     sessions = workload.sessions
     if isinstance(sessions, RepeatedSessions):
-        return _tiled(_read(sessions.one_copy), sessions.repeat, sessions.shift)
-    return _read(workload.in_arrival_order())
+        return _tiled(_read(sessions.one_copy, with_keys), sessions.repeat, sessions.shift)
+    return _read(workload.in_arrival_order(), with_keys)
 
 
 def arrival_clock(arrival_s: np.ndarray) -> np.ndarray:
@@ -52,7 +59,7 @@ def arrival_clock(arrival_s: np.ndarray) -> np.ndarray:
     return np.array(clock, dtype=np.float64)
 
 
-def _read(sessions) -> RequestRows:
+def _read(sessions, with_keys: bool) -> RequestRows:
     requests, starts, next_turn, arrivals = [], [], [], []
     for session in sessions:
         starts.append(len(requests))
@@ -64,6 +71,13 @@ def _read(sessions) -> RequestRows:
     def column(name, dtype=np.int64):
         return np.fromiter(map(attrgetter(name), requests), dtype=dtype, count=len(requests))
 
+    return RequestRows(column("prompt_len"), column("output_len"), np.array(next_turn, dtype=np.int64),
+                       column("think_time_s", np.float64), column("request_id"), column("session_id"),
+                       column("turn"), np.array(starts, dtype=np.int64), np.array(arrivals, dtype=np.float64),
+                       _read_keys(requests, column("output_content_id")) if with_keys else None)
+
+
+def _read_keys(requests, output_content: np.ndarray) -> PromptKeys:
     counts = np.fromiter(map(len, map(attrgetter("segments"), requests)), dtype=np.int64, count=len(requests))
     total = int(counts.sum())
     # Each request's prefix ids: one before each segment, then the whole prompt's.
@@ -76,10 +90,7 @@ def _read(sessions) -> RequestRows:
     segments[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), requests))),
                                  dtype=np.int64, count=total)
     segments[:, 2] = np.delete(prefix_ids, whole_prompt)
-    return RequestRows(column("prompt_len"), column("output_len"), np.array(next_turn, dtype=np.int64),
-                       column("think_time_s", np.float64), column("request_id"), column("session_id"),
-                       column("turn"), column("output_content_id"), prefix_ids[whole_prompt], counts, segments,
-                       np.array(starts, dtype=np.int64), np.array(arrivals, dtype=np.float64))
+    return PromptKeys(output_content, prefix_ids[whole_prompt], counts, segments)
 
 
 def _tiled(one: RequestRows, repeat: int, shift) -> RequestRows:
@@ -96,13 +107,16 @@ def _tiled(one: RequestRows, repeat: int, shift) -> RequestRows:
     def prefixes(column):
         return np.where(tile(column) == 0, 0, shifted(column, shift.prefixes))
 
-    segments = np.empty((repeat * len(one.segments), 3), dtype=np.int64)
-    segments[:, 0] = tile(one.segments[:, 0])
-    segments[:, 1] = shifted(one.segments[:, 1], shift.contents)
-    segments[:, 2] = prefixes(one.segments[:, 2])
     next_turn = np.where(tile(one.next_turn) < 0, -1, shifted(one.next_turn, num_rows))
     arrival_s = (one.arrival_s[None, :] + copies * shift.period_s).ravel()
+    keys = None
+    if one.keys is not None:
+        segments = np.empty((repeat * len(one.keys.segments), 3), dtype=np.int64)
+        segments[:, 0] = tile(one.keys.segments[:, 0])
+        segments[:, 1] = shifted(one.keys.segments[:, 1], shift.contents)
+        segments[:, 2] = prefixes(one.keys.segments[:, 2])
+        keys = PromptKeys(shifted(one.keys.output_content, shift.contents), prefixes(one.keys.prompt_prefix),
+                          tile(one.keys.num_segments), segments)
     return RequestRows(tile(one.prompt), tile(one.output), next_turn, tile(one.think_s),
                        shifted(one.request_id, shift.requests), shifted(one.session_id, shift.sessions),
-                       tile(one.turn), shifted(one.output_content, shift.contents), prefixes(one.prompt_prefix),
-                       tile(one.num_segments), segments, shifted(one.starts, num_rows), arrival_s)
+                       tile(one.turn), shifted(one.starts, num_rows), arrival_s, keys)
