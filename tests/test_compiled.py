@@ -191,3 +191,21 @@ def test_a_repeated_traces_rows_are_its_copies_rows(fmt, path):
             if field.name != "keys":
                 assert np.array_equal(getattr(rows, field.name), getattr(built_rows, field.name)), field.name
     assert request_rows(workload, with_keys=False).keys is None
+
+
+def test_the_pool_takes_small_pages_and_gives_numpy_its_setting_back():
+    """The pool's arrays are allocated with numpy's huge-page advice off (driver._small_pages);
+    numpy's own setting is restored after, whichever it was."""
+    from sim.engine.compiled import driver
+    advise = driver._set_hugepage_advice
+    first = advise(True)
+    try:
+        for setting in (True, False):
+            advise(setting)
+            with driver._small_pages():
+                assert advise(False) is False  # off inside
+            pool = driver._pool_arrays(2, 8, 2, 64, 4, np.zeros((0, 3), dtype=np.int64))
+            assert advise(setting) is setting  # restored after
+            assert all(not array.any() for array in pool[1:5])  # zeroed, as the loop expects
+    finally:
+        advise(first)

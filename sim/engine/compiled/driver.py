@@ -3,6 +3,7 @@ recorder: the same records the Python engine's replicas and cluster append, in c
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -93,13 +94,37 @@ def _pool_arrays(num_replicas: int, blocks: int, max_seqs: int, store: int, max_
     """The pool's arrays, zeroed: memory is touched as the run uses it (core._new_row takes
     rows never used after the free ones)."""
     num_extents, num_rows = blocks + max_seqs + 2, blocks + 4
-    return (segments, np.zeros((num_replicas, 2, store), dtype=np.int32),
-            np.zeros((num_replicas, num_extents, core.EXTENT_FIELDS), dtype=np.int64),
-            np.zeros((num_replicas, num_rows, core.ENTRY_FIELDS), dtype=np.int64),
-            np.zeros((num_replicas, 2 * num_rows, core.CLAIM_FIELDS), dtype=np.int64),  # chain records too
-            np.full((num_replicas, 1 << (2 * num_rows).bit_length(), 2), core.EMPTY, dtype=np.uint64),
-            np.zeros((num_replicas, 2 * num_extents, 2), dtype=np.int64),
-            np.zeros((num_replicas, max_blocks, 3), dtype=np.int64))
+    with _small_pages():
+        return (segments, np.zeros((num_replicas, 2, store), dtype=np.int32),
+                np.zeros((num_replicas, num_extents, core.EXTENT_FIELDS), dtype=np.int64),
+                np.zeros((num_replicas, num_rows, core.ENTRY_FIELDS), dtype=np.int64),
+                np.zeros((num_replicas, 2 * num_rows, core.CLAIM_FIELDS), dtype=np.int64),  # chain records too
+                np.full((num_replicas, 1 << (2 * num_rows).bit_length(), 2), core.EMPTY, dtype=np.uint64),
+                np.zeros((num_replicas, 2 * num_extents, 2), dtype=np.int64),
+                np.zeros((num_replicas, max_blocks, 3), dtype=np.int64))
+
+
+@contextmanager
+def _small_pages():
+    """Arrays allocated in it get the kernel's small pages. numpy asks for huge (2 MB) pages for
+    big arrays, and the kernel zeroes a huge page whole when it is first touched: the pool's
+    arrays are sized for the worst case (every block its own extent) but only the first rows of
+    each replica's part are used, so huge pages zeroed about 110 MB at rag_agents_100k (9% of
+    the prefix loop, perf: clear_page_erms) where small pages zero a few MB."""
+    was = _set_hugepage_advice(False)
+    try:
+        yield
+    finally:
+        _set_hugepage_advice(was)
+
+
+def _set_hugepage_advice(enabled: bool) -> bool:
+    """Sets whether numpy advises huge pages for the big arrays it allocates; returns what it was."""
+    try:  # numpy 2; numpy 1.26 keeps it in numpy.core
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:
+        from numpy.core.multiarray import _set_madvise_hugepage
+    return _set_madvise_hugepage(enabled)
 
 
 def warm_up() -> None:
