@@ -60,6 +60,9 @@ def main() -> None:
     if allocator not in ("prefix", "paged"):
         raise SystemExit("error: perf_compiled.py takes prefix or paged")
     driver.warm_up()
+    if core.run.stats.cache_hits:
+        raise SystemExit("error: the compiled loop came from numba's cache, which keeps no functions to "
+                         "name; run with NUMBA_CACHE_DIR set to a new empty folder")
     print(f"mapped {write_perf_map()} compiled functions", file=sys.stderr)
     sampled_only_in_the_loop(os.environ.get("PERF_CTL"))
     print(f"{allocator}: loop {measure(allocator, rag_agents(25_000))['wall_s']:.2f} s")

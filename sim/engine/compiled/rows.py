@@ -78,7 +78,8 @@ def _read(sessions, with_keys: bool) -> RequestRows:
 
 
 def _read_keys(requests, output_content: np.ndarray) -> PromptKeys:
-    counts = np.fromiter(map(len, map(attrgetter("segments"), requests)), dtype=np.int64, count=len(requests))
+    segment_lists = list(map(attrgetter("segments"), requests))
+    counts = np.fromiter(map(len, segment_lists), dtype=np.int64, count=len(requests))
     total = int(counts.sum())
     # Each request's prefix ids: one before each segment, then the whole prompt's.
     prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), requests)), dtype=np.int64,
@@ -87,8 +88,7 @@ def _read_keys(requests, output_content: np.ndarray) -> PromptKeys:
     segments = np.empty((total, 3), dtype=np.int64)
     segments[:, 0] = np.fromiter(chain.from_iterable(map(attrgetter("segment_starts"), requests)),
                                  dtype=np.int64, count=total)
-    segments[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), requests))),
-                                 dtype=np.int64, count=total)
+    segments[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(segment_lists)), dtype=np.int64, count=total)
     segments[:, 2] = np.delete(prefix_ids, whole_prompt)
     return PromptKeys(output_content, prefix_ids[whole_prompt], counts, segments)
 
