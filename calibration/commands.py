@@ -135,12 +135,22 @@ def predict_task(cfg: DictConfig) -> None:
             raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
                            f"give {op} rows numbers for {', '.join(c for c in needed if c != 'dtype')}"
                            + (" and a dtype of fp16, bf16, fp8 or fp32" if "dtype" in needed else "")) from None
-        out[index] = predict(prepared, profile, op, operator_params(profile, op))
+        out[index] = (engine_all_reduce(rows, profile) if op == "all_reduce"
+                      else predict(prepared, profile, op, operator_params(profile, op)))
     result = shapes.assign(time_s=out)
     tmp = Path(str(cfg.out) + ".tmp")
     result.to_csv(tmp, index=False)
     tmp.replace(cfg.out)
     print(f"wrote {len(result)} predictions to {cfg.out}")
+
+
+def engine_all_reduce(rows: pd.DataFrame, profile: dict) -> np.ndarray:
+    """The simulator's all-reduce (its algorithm chosen per size, sim.latency.collectives) per row."""
+    from sim.latency.collectives import all_reduce_for
+    from sim.latency.profile import profile_from_dict
+    gpu = profile_from_dict(profile)
+    groups = {n: all_reduce_for(gpu, n) for n in rows.num_gpus.astype(int).unique()}
+    return np.array([groups[int(n)].time(float(b)) for b, n in zip(rows["bytes"], rows.num_gpus)])
 
 
 def flops_text(flops: float) -> str:

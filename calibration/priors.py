@@ -19,8 +19,12 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
   450 GB/s line rate (480 with NVLS); stas00 all-reduce-8xH200.md: 367.6 GB/s ring, 482 NVLS;
   NCCL issue #2140: 8x B300 695 GB/s without NVLS (NVLink 5, 900 GB/s per direction); NCCL issue
   #1639: 8x RTX 5090 on PCIe, busbw 28 GB/s of 32 per direction (no L40S figure was found).
-- NCCL src/graph/tuning.cc: ring LL latency 6.6 us base + 0.6 us per NVLink step (2 (n - 1) steps):
-  15 us for 8 GPUs; PCIe 1.0 us per step.
+- NCCL src/graph/tuning.cc (2.20.3, NVIDIA/nccl b6475625): ring LL latency 6.6 us base + 0.6 us per
+  NVLink step (2 (n - 1) steps): 15 us for 8 GPUs, PCIe 1.0 us per step; Ring/Simple 8.4 us + 3.4 us
+  per NVLink step (5.7 PCIe); Ring/LL at a quarter of the ring's bandwidth; NVLS 23 us.
+- stas00/ml-engineering network/benchmarks/README.md: 8x H200 nccl-tests all_reduce_perf (NCCL
+  2.30.7) busbw from 32 KiB to 1 GiB; 8x B200 845.67 GB/s at 16 GiB.
+- vLLM PR #24111: its custom all-reduce's one-shot and two-shot kernels on H100 at TP 4 and 6.
 - tritonbench PR #1017 (GB200): cuLaunchKernel 3.0 us, Triton's launcher 4.7 us per kernel; ocannl
   issue #488: a CUDA-graph replay costs about 15 us fixed.
 - Vidur's H100 GEMM timings (microsoft/vidur e26eb8f7, data/profiling/compute/h100/meta-llama/
@@ -36,15 +40,40 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from sim.latency.operators import NCCL_NVLINK_STEP_S, NCCL_RING_LL_BASE_S
+import numpy as np
 
-# All-reduce over 8 H200s (NVLink 4 switch, NCCL 2.27.7, torch.distributed): stas00/ml-engineering
-# network/benchmarks/results/all-reduce-8xH200.md, busbw in GB/s by message size; time = size /
-# algbw, algbw = busbw * n / (2 (n - 1)). The H100's HGX board has the same NVLink 4 switches
+from sim.latency.operators import NCCL_NVLINK_STEP_S, NCCL_RING_LL_BASE_S, ring_latency_split
+
+# All-reduce over 8 H200s (NVLink 4 switch), nccl-tests all_reduce_perf built against NCCL 2.30.7:
+# stas00/ml-engineering network/benchmarks/README.md, busbw in GB/s by message size (time = size /
+# algbw, algbw = busbw * n / (2 (n - 1))). NCCL reports Ring/LL up to 1 MiB and NVLS/Simple from
+# 2 MiB (network/README.md, NCCL 2.27.7). The H100's HGX board has the same NVLink 4 switches
 # (nccl-tests #212: the same 370 GB/s ring and 480 GB/s NVLS figures).
-H200_ALL_REDUCE_BUSBW = {32 * 2**10: 1.44e9, 2**20: 39.93e9, 16 * 2**20: 219.89e9, 256 * 2**20: 436.15e9,
-                         16 * 2**30: 482.26e9}
-ALL_REDUCE_SOURCE = "stas00 all-reduce-8xH200 (torch.distributed, NCCL 2.27.7)"
+H200_NCCL_TESTS_BUSBW = {32 * 2**10: 3.20e9, 64 * 2**10: 6.26e9, 128 * 2**10: 12.40e9, 256 * 2**10: 24.63e9,
+                         512 * 2**10: 48.30e9, 2**20: 72.45e9, 2 * 2**20: 91.48e9, 4 * 2**20: 139.97e9,
+                         8 * 2**20: 182.03e9, 16 * 2**20: 242.45e9, 32 * 2**20: 298.44e9, 64 * 2**20: 369.82e9,
+                         128 * 2**20: 411.21e9, 256 * 2**20: 442.27e9, 2**30: 464.00e9}
+NCCL_TESTS_SOURCE = "stas00 ml-engineering 8xH200 nccl-tests all_reduce_perf (NCCL 2.30.7)"
+LL_UP_TO = 2**20  # the sizes NCCL ran Ring/LL at; NVLS above
+# NCCL 2.20.3 src/graph/tuning.cc (NVIDIA/nccl b6475625): ring latency = base + 2 (n - 1) hops, per
+# protocol (LL, Simple); Ring/LL's bus bandwidth is a quarter of the ring's for all-reduce; NVLS's
+# latency is one NVLink hop of 23 us. PCIe hops: LL 1.0, Simple 5.7 us.
+NCCL_RING_SIMPLE_BASE_S = 8.4e-6
+NCCL_SIMPLE_STEP_S = {"nvlink": 3.4e-6, "pcie": 5.7e-6}
+NCCL_LL_BANDWIDTH_SHARE = 0.25
+NCCL_NVLS_LATENCY_S = 23e-6
+TUNING = "NCCL 2.20.3 tuning.cc"
+# vLLM PR #24111 (benchmarks/kernels/benchmark_device_communicators.py, CUDA graphs, bf16, H100),
+# ms per all-reduce by size at TP 4: its custom all-reduce's one-shot (ca_1stage) and two-shot
+# (ca_2stage) kernels. Fitted on TP 4; the TP 6 table of the same PR checks it (tests).
+VLLM_CUSTOM_TP4_MS = {"allreduce_oneshot": {0.5: 0.010, 1: 0.015, 1.5: 0.019, 2: 0.022, 3: 0.030, 4: 0.038},
+                      "allreduce_twoshot": {0.5: 0.017, 1: 0.018, 1.5: 0.027, 2: 0.027, 3: 0.035, 4: 0.043}}
+VLLM_CUSTOM_TP6_MS = {"allreduce_oneshot": {0.5: 0.013, 1: 0.021, 1.5: 0.030, 2: 0.038, 3: 0.053, 4: 0.070},
+                      "allreduce_twoshot": {0.5: 0.015, 1: 0.017, 1.5: 0.020, 2: 0.026, 3: 0.029, 4: 0.037}}
+CUSTOM_SOURCE = "vLLM PR #24111 H100 TP 4 custom all-reduce (CUDA graphs)"
+# NVLS where the system has NVSwitch 3 or later (H100, H200, B200 HGX): 8 x B200 all-reduce busbw
+# 845.67 GB/s at 16 GiB, NVLS from 6 GPUs (stas00 network/benchmarks, NCCL 2.30.7).
+B200_NVLS_BUSBW = 845.67e9
 KERNEL_LAUNCH_S, GRAPH_LAUNCH_S = 4.7e-6, 15e-6
 LAUNCH_SOURCE = ("prior:tritonbench PR #1017 (Triton launcher 4.7 us per kernel) and ocannl issue "
                  "#488 (a CUDA-graph replay about 15 us)")
@@ -72,7 +101,8 @@ class Priors:
     gemm_fp8: Figure | None  # FP8 GEMM compute efficiency (None: no FP8 units)
     memory: Figure           # share of HBM bandwidth a streaming kernel reaches
     link: Figure             # all-reduce bus bandwidth over the per-direction link bandwidth
-    fabric: str              # nvlink or pcie (NCCL's per-step latency)
+    fabric: str              # nvlink or pcie (NCCL's per-step latency; peer-to-peer custom all-reduce on nvlink)
+    nvls: Figure | None = None  # NVLS algorithm bandwidth over the per-direction link (None: no NVSwitch 3)
 
 
 def _mamf(tflops: float, peak: float, what: str) -> Figure:
@@ -96,7 +126,9 @@ PRIORS = {
     "b200": Priors(_mamf(1745.0, 2250, "B200 SXM bf16"), _mamf(3432.5, 4500, "B200 SXM fp8"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
                    Figure(0.772, "prior:NCCL #2140 8x B300 (NVLink 5) busbw 695 of 900 GB/s without NVLS; "
-                                 "no B200 ring figure found"), "nvlink"),
+                                 "no B200 ring figure found"), "nvlink",
+                   Figure(round(B200_NVLS_BUSBW * 8 / 14 / 900e9, 4),
+                          "prior:stas00 8x B200 all-reduce busbw 845.67 GB/s at 16 GiB (NVLS), as algbw of 900 GB/s")),
     "l40s": Priors(Figure(H100_GEMM.value, "prior:no public L40S matmul figure found; the H100's MAMF share"),
                    Figure(H100_FP8.value, "prior:no public L40S fp8 matmul figure found; the H100's MAMF share"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
@@ -123,14 +155,26 @@ def with_priors(profile: dict) -> dict:
             "t0_s": GEMM_T0.value, "source": f"{priors.gemm.source}; {priors.memory.source}; {GEMM_T0.source}"}
     attention = {"compute_efficiency": 0.5, "memory_efficiency": priors.memory.value, "t0_s": ATTENTION_T0_S,
                  "source": f"prior:compute 0.5 assumed (no attention timings of this GPU); {priors.memory.source}"}
-    allreduce = {"link_efficiency": priors.link.value, "t0_s": NCCL_RING_LL_BASE_S,
-                 "per_seq_s": NCCL_STEP_S[priors.fabric],
-                 "source": f"{priors.link.source}; NCCL tuning.cc ring LL latency (base + per step)"}
+    allreduce = {"link_efficiency": priors.link.value, "t0_s": NCCL_RING_SIMPLE_BASE_S,
+                 "per_seq_s": NCCL_SIMPLE_STEP_S[priors.fabric],
+                 "source": f"{priors.link.source}; {TUNING} Ring/Simple latency (base + per step)"}
+    ring_ll = {"link_efficiency": round(priors.link.value * NCCL_LL_BANDWIDTH_SHARE, 6), "t0_s": NCCL_RING_LL_BASE_S,
+               "per_seq_s": NCCL_STEP_S[priors.fabric],
+               "source": f"{priors.link.source} x {TUNING}'s Ring/LL bandwidth share 1/4; its Ring/LL latency"}
+    algorithms = {"allreduce_ll": ring_ll}
+    if priors.nvls:
+        algorithms["allreduce_nvls"] = {"link_efficiency": priors.nvls.value, "t0_s": NCCL_NVLS_LATENCY_S,
+                                        "source": f"{priors.nvls.source}; {TUNING} NVLS latency (one NVLink hop)"}
+    if priors.fabric == "nvlink":  # vLLM's custom all-reduce over peer memory (sim.latency.collectives)
+        for name, fitted in custom_all_reduce().items():
+            algorithms[name] = {**fitted, "source": f"prior:the {CUSTOM_SOURCE} fit "
+                                                    "(the same share of this GPU's link, the same fixed cost)"}
     send_recv = {"link_efficiency": priors.link.value,
                  "t0_s": round(NCCL_RING_LL_BASE_S + NCCL_STEP_S[priors.fabric], 9),
                  "source": f"{priors.link.source}; NCCL tuning.cc LL latency of one step"}
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
-                    "allreduce": allreduce, "send_recv": send_recv, "cpu_step": CPU_STEP, "cpu_output": CPU_OUTPUT}
+                    "allreduce": allreduce, **algorithms, "send_recv": send_recv, "cpu_step": CPU_STEP,
+                    "cpu_output": CPU_OUTPUT}
     if priors.gemm_fp8 and _kept(ops.get("gemm")):  # the fitted 16-bit GEMM, at the measured FP8/BF16 ratio
         fitted, ratio = ops["gemm"], priors.gemm_fp8.value / priors.gemm.value
         replacements["gemm_fp8"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
@@ -169,16 +213,39 @@ def same_chip(profile: dict, sibling: dict) -> dict:
     return {**profile, "operators": ops}
 
 
-def nvlink4_all_reduce(base: dict) -> dict:
-    """The all-reduce operator fitted to the 8 x H200 sizes above (t0, link share, correction)."""
-    import pandas as pd
+def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """t = a + x / bandwidth, least squares in relative error: (a, bandwidth)."""
+    a, slope = np.linalg.lstsq(np.stack([1 / t, x / t], axis=1), np.ones_like(t), rcond=None)[0]
+    return float(a), float(1 / slope)
 
-    from calibration.fit import fit_op, prepare
-    rows = pd.DataFrame([{"op": "all_reduce", "bytes": size, "num_gpus": 8,
-                          "time_s": size / (busbw * 8 / (2 * 7))} for size, busbw in H200_ALL_REDUCE_BUSBW.items()])
-    params = fit_op(prepare(rows, "all_reduce", base), base, "all_reduce")
-    return {**params, "source": f"imported:{ALL_REDUCE_SOURCE} ({len(rows)} sizes); latency split per ring "
-                                f"step as NCCL's tuning.cc"}
+
+def nvlink4_nccl() -> dict:
+    """NCCL's Ring/LL and NVLS fitted to the 8 x H200 nccl-tests sizes each ran at (t0, link share)."""
+    sizes = np.array(list(H200_NCCL_TESTS_BUSBW), dtype=float)
+    times = sizes / (np.array(list(H200_NCCL_TESTS_BUSBW.values())) * 8 / 14)
+    ll, line = sizes <= LL_UP_TO, 450e9
+    latency, bus = _line(sizes[ll] * 14 / 8, times[ll])
+    base, per_step = ring_latency_split(latency, 8)
+    t0, algbw = _line(sizes[~ll], times[~ll])
+    source = f"imported:{NCCL_TESTS_SOURCE}"
+    return {"allreduce_ll": {"link_efficiency": round(bus / line, 6), "t0_s": round(base, 9), "per_seq_s": round(per_step, 9),
+                             "source": f"{source}, {int(ll.sum())} Ring/LL sizes to 1 MiB; latency split per "
+                                       f"ring step as {TUNING}"},
+            "allreduce_nvls": {"link_efficiency": round(algbw / line, 6), "t0_s": round(t0, 9),
+                               "source": f"{source}, {int((~ll).sum())} NVLS sizes from 2 MiB (H100 HGX: the same "
+                                         "NVLink 4 switches)"}}
+
+
+def custom_all_reduce() -> dict:
+    """vLLM's one-shot and two-shot custom all-reduce fitted to its H100 TP 4 timings (t0, link share)."""
+    fitted = {}
+    for name, table in VLLM_CUSTOM_TP4_MS.items():
+        sizes = np.array(list(table)) * 2**20
+        moved = 3 * sizes if name == "allreduce_oneshot" else 1.5 * sizes  # (n - 1) S; 2 (n - 1) / n S
+        t0, bandwidth = _line(moved, np.array(list(table.values())) * 1e-3)
+        fitted[name] = {"link_efficiency": round(bandwidth / 450e9, 6), "t0_s": round(t0, 9),
+                        "source": f"imported:{CUSTOM_SOURCE}, {len(table)} sizes"}
+    return fitted
 
 
 def main() -> None:
@@ -186,8 +253,11 @@ def main() -> None:
     for name in PRIORS:
         path = folder / f"{name}.json"
         profile = json.loads(path.read_text())
-        if name in ("h100", "h200"):
-            profile["operators"]["allreduce"] = nvlink4_all_reduce(profile)
+        if name in ("h100", "h200"):  # the ring is NCCL's Ring/Simple prior; LL and NVLS measured
+            profile["operators"].pop("allreduce", None)
+            profile["operators"].update(nvlink4_nccl())
+        if name == "h100":
+            profile["operators"].update(custom_all_reduce())
         if name in SAME_CHIP:
             profile = same_chip(profile, json.loads((folder / f"{SAME_CHIP[name]}.json").read_text()))
         path.write_text(json.dumps(with_priors(profile), indent=2) + "\n")

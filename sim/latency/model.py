@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.latency.calibrated import FP8_BLOCK, CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
-from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_reduce_work, all_to_all_work, attention_class,
+from sim.latency.collectives import all_reduce_for
+from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
 from sim.latency.moe import MoeLayer
@@ -148,7 +149,7 @@ class LatencyModel:
         decode = "attention_decode_mla" if model.is_mla else "attention_decode"
         self.decode_op = self._calibrated(decode, "attention_decode", self.attn_peak, self.bw)
         link = profile.link_bandwidth_bytes_per_s / 2  # one direction
-        self.allreduce_op = self._calibrated("allreduce", "all_reduce", 1.0, link)
+        self.allreduce = all_reduce_for(profile, tp)
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
         self.async_output = async_output_processing
@@ -360,9 +361,9 @@ class LatencyModel:
         return shape.decode_context_tokens * self.kv_bytes_per_token_layer_rank
 
     def _allreduce(self, message_bytes: float) -> float:
-        """Ring all-reduce over the TP group (sim.latency.operators)."""
-        return self.allreduce_op.time(f"{self.tp}gpus", message_bytes,
-                                      lambda size: all_reduce_work(size, self.tp))
+        """The engine's all-reduce over the TP group, its algorithm chosen per size
+        (sim.latency.collectives)."""
+        return self.allreduce.time(message_bytes)
 
     def step_time(self, shape: BatchShape) -> float:
         return sum(self.breakdown(shape).values())

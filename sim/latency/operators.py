@@ -72,6 +72,17 @@ def all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
     return 0.0, 2.0 * (num_gpus - 1) / num_gpus * message_bytes, 2.0 * (num_gpus - 1), 0.0
 
 
+def nvls_all_reduce_work(message_bytes: float) -> Work:
+    """An NVLS all-reduce (NVLink SHARP): the switch reduces, so each GPU's traffic is the message
+    itself, at an algorithm bandwidth nearly independent of the GPU count (sim.latency.collectives)."""
+    return 0.0, float(message_bytes)
+
+
+def one_shot_all_reduce_work(message_bytes: float, num_gpus: float) -> Work:
+    """A one-shot peer-memory all-reduce: each GPU reads every peer's whole message."""
+    return 0.0, (num_gpus - 1) * message_bytes
+
+
 def ring_latency_split(latency_s: float, num_gpus: float) -> tuple[float, float]:
     """A measured all-reduce latency at one GPU count as (base, per step) in NCCL's proportions,
     so that it scales with the GPU count as NCCL's model does."""

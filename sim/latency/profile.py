@@ -141,9 +141,15 @@ FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
                                                "MLA decode timings")}
 
 
+# All-reduce algorithms a system may lack (no NVSwitch, no peer-to-peer link): offered only where
+# the profile gives them (sim.latency.collectives).
+OPTIONAL = ("allreduce_ll", "allreduce_nvls", "allreduce_oneshot", "allreduce_twoshot")
+
+
 def profile_from_dict(data: dict) -> GpuProfile:
     ops = {}
-    for op in OPERATORS + tuple(op for op in FALLBACKS if op not in OPERATORS):
+    optional = tuple(op for op in OPTIONAL if op in data["operators"])
+    for op in OPERATORS + tuple(op for op in FALLBACKS if op not in OPERATORS) + optional:
         raw = data["operators"][op] if op in data["operators"] else FALLBACKS[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
