@@ -61,6 +61,16 @@ def takes_tiers(allocator) -> bool:
     return hasattr(allocator, "attach_tiers") and getattr(allocator, "enable_caching", False)
 
 
+def stepping_reason(setup: Setup, router) -> str | None:
+    """Why the Python loop must step one step at a time (None: decode stretches may jump)."""
+    if router.reads_kv_state:
+        return "the router reads the replicas' KV pools at every arrival"
+    offload = setup.spec.kv_offload
+    if offload.enabled and offload.shared_store_gib(setup.spec.num_replicas) and setup.spec.num_replicas > 1:
+        return "the replicas share a KV store, whose writes and reads must keep their time order"
+    return None
+
+
 def attach_tiers(setup: Setup, allocators: list) -> list[TierChain]:
     """Each prefix allocator's tier chain: its own CPU and disk tiers, one shared store."""
     spec, pool = setup.spec.kv_offload, setup.pool
@@ -271,9 +281,11 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     env = Environment()
     cluster = Cluster(env, router, recorder, spec.max_model_len, spec.serving_overhead_s,
                       spec.router_staleness_s)
-    # A router that reads the KV pools needs them current at every arrival: no decode stretches
-    # (their steps' memory is applied when they end).
-    step_exact = spec.step_exact or router.reads_kv_state
+    # A router that reads the KV pools needs them current at every arrival, and a shared store
+    # across replicas needs their writes and reads in time order: no decode stretches (their
+    # steps' memory and keys are applied when they end).
+    stepping = stepping_reason(setup, router)
+    step_exact = spec.step_exact or stepping is not None
     allocators = add_replicas(setup, env, recorder, cluster, allocator_name, queue_order, step_exact,
                               workload, cluster.on_finish)
     chains = attach_tiers(setup, allocators)
@@ -287,7 +299,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
     if chains:
         metrics["kv_tiers"] = tier_facts(chains, setup.pool, sum(r.kv_load_wait_s for r in cluster.replicas))
-    metrics["engine"] = {"loop": "python", "why": why_python}
+    metrics["engine"] = {"loop": "python", "why": why_python,
+                         **({"decode_stretches": f"off: {stepping}"} if stepping else {})}
     metrics["kv_pool"] = _pool_facts(setup, slots)
     if setup.pool.layout is not None:  # window, chunk or compressed layers (sim.kvcache.hybrid)
         metrics["hybrid_kv"] = hybrid_kv_facts(setup.pool.layout, allocators)

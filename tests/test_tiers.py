@@ -108,10 +108,15 @@ def test_tiers_never_hold_more_than_their_capacity_and_their_hits_count_as_prefi
     assert cache["prompt_tokens"] == without["prompt_tokens"]
 
 
-def test_a_larger_shared_store_never_lowers_the_hit_rate_under_lru():
-    rates = [run_all(golden(f"kv_offload.shared_gib={gib}"))[0].metrics["prefix_cache"]["hit_rate"]
-             for gib in (0, 0.125, 0.5, 4)]
-    assert rates == sorted(rates) and rates[-1] > rates[0]
+def test_a_larger_shared_store_never_finds_fewer_blocks_under_lru():
+    """The store's own hits grow with its size (LRU's inclusion). The overall hit rate need not:
+    blocks loaded from the store take HBM blocks, which evicts other cached ones and moves the
+    schedule (on the golden run 0.0625 GiB gives 0.473 against 0.486 without a store); a large
+    store still wins."""
+    runs = [run_all(golden(f"kv_offload.shared_gib={gib}"))[0].metrics for gib in (0, 0.0625, 0.125, 0.5, 4)]
+    store_hits = [m["kv_tiers"]["shared"]["hit_tokens"] for m in runs[1:]]
+    assert store_hits == sorted(store_hits) and store_hits[0] > 0
+    assert runs[-1]["prefix_cache"]["hit_rate"] > runs[0]["prefix_cache"]["hit_rate"]
 
 
 def test_tiered_runs_give_the_step_by_step_results():
