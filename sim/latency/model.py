@@ -160,12 +160,14 @@ class LatencyModel:
         self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, link)
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, link)
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
+        self.elementwise_op = self._calibrated("elementwise", "elementwise", 1.0, self.bw)
+        self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
         self.eager_launch_s = eager_kernels(model, tp) * profile.kernel_launch_s
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
-        self._per_token_count: dict[float, tuple[float, float, float, float]] = {}
+        self._per_token_count: dict[float, tuple[float, float, float, float, float]] = {}
         self._lm_head: dict[float, float] = {}
 
     def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
@@ -246,9 +248,9 @@ class LatencyModel:
         if lm_head is None:
             lm_head = self._lm_head[sampled] = (
                 self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
-        qkv_o_proj, mlp, allreduce, all_to_all = per_token
+        qkv_o_proj, mlp, allreduce, all_to_all, elementwise = per_token
         times = {
-            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "lm_head": parts * lm_head,
+            "qkv_o_proj": qkv_o_proj, "mlp": mlp, "elementwise": elementwise, "lm_head": parts * lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
         }
         if self.expert_parallel:
@@ -277,23 +279,26 @@ class LatencyModel:
         cpu_output_time."""
         return self.cpu_op.time("step", num_seqs, cpu_step_work)
 
-    def _token_ops(self, tokens: int) -> tuple[float, float, float, float]:
-        """(QKV and O projections, MLP, all-reduce, all-to-all) seconds for a step of `tokens`
-        tokens: an all-reduce after each attention and each MLP under TP; under EP a MoE layer's
-        routed tokens go out and back by all-to-all and its output is gathered instead."""
+    def _token_ops(self, tokens: int) -> tuple[float, float, float, float, float]:
+        """(QKV and O projections, MLP, all-reduce, all-to-all, elementwise kernels) seconds for a
+        step of `tokens` tokens: an all-reduce after each attention and each MLP under TP; under EP
+        a MoE layer's routed tokens go out and back by all-to-all and its output is gathered instead."""
         m = self.model
         qkv_o_proj = m.num_layers * self._gemms(tokens, self.attention_gemms)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
                + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
+        op = self.elementwise_op
+        elementwise = sum(layers * op.time("stream", tokens * nbytes, copy_work)
+                          for layers, nbytes in self.elementwise_kernels)
         if self.tp == 1:
-            return qkv_o_proj, mlp, 0.0, 0.0
+            return qkv_o_proj, mlp, 0.0, 0.0, elementwise
         activations = tokens * m.hidden_size * ACTIVATION_BYTES
         if not self.expert_parallel:
-            return qkv_o_proj, mlp, 2 * m.num_layers * self._allreduce(activations), 0.0
+            return qkv_o_proj, mlp, 2 * m.num_layers * self._allreduce(activations), 0.0, elementwise
         allreduce = (m.num_layers + self.num_dense_layers) * self._allreduce(activations)
         a2a = self.all_to_all_time
         all_to_all = m.num_moe_layers * (2 * a2a(self.moe.all_to_all_bytes(tokens)) + a2a(activations))
-        return qkv_o_proj, mlp, allreduce, all_to_all
+        return qkv_o_proj, mlp, allreduce, all_to_all, elementwise
 
     def all_to_all_time(self, message_bytes: float) -> float:
         """An all-to-all over the TP group (EP dispatch, combine, or the output's gather)."""
@@ -374,8 +379,8 @@ class LatencyModel:
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1, num_sampled=num_seqs)
         parts = self.micro_batches(num_seqs)
         probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(parts))
-        before = 0  # sum() adds left to right from 0; attention_decode comes fifth
-        for name in ("qkv_o_proj", "mlp", "lm_head", "attention_prefill"):
+        before = 0  # sum() adds left to right from 0; attention_decode comes sixth
+        for name in ("qkv_o_proj", "mlp", "elementwise", "lm_head", "attention_prefill"):
             before = before + probe[name]
         op, roof = self.decode_op, self.decode_op.roofline
         context = np.asarray(decode_context_tokens, dtype=np.float64)
@@ -418,6 +423,30 @@ def eager_kernels(model: ModelSpec, tp: int) -> int:
     per_layer_all_reduce = 2 if tp > 1 else 0
     return (STEP_KERNELS + model.num_layers * (attention + per_layer_all_reduce)
             + dense * DENSE_MLP_KERNELS + model.num_moe_layers * MOE_KERNELS)
+
+
+def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: float) -> list[tuple[int, float]]:
+    """(layers that run it, bytes per token on one rank) of each elementwise kernel of the forward
+    pass (eager_kernels' list): the input and post-attention norms (fused with the residual add:
+    the activations and the residual read and written), the rotary embedding (queries' and keys'
+    rotary parts read and written), the KV-cache write (keys and values read, the cache written:
+    counted as twice kv_bytes, one layer's KV per token on one rank), MLA's norms of its query and
+    KV latents, and the dense layers' SiLU-and-mul (gate and up read, their product written). MoE
+    layers' own kernels are sim.latency.moe's."""
+    h, b, layers = model.hidden_size, ACTIVATION_BYTES, model.num_layers
+    if model.is_mla:
+        rope = (model.num_heads / tp + 1) * model.qk_rope_head_dim
+    else:
+        rope = (model.num_heads / tp + model.num_kv_heads / kv_split) * model.head_dim
+    kernels = [(2 * layers, 4.0 * h * b), (layers, 2.0 * rope * b), (layers, 2.0 * kv_bytes)]
+    if model.is_mla:
+        kernels.append((layers, 2.0 * model.kv_lora_rank * b))
+        if model.q_lora_rank:
+            kernels.append((layers, 2.0 * model.q_lora_rank * b))
+    dense = layers - model.num_moe_layers
+    if dense:
+        kernels.append((dense, 3.0 * model.intermediate_size / tp * b))
+    return kernels
 
 
 def mla_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float]]:

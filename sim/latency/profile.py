@@ -118,6 +118,19 @@ def _without_kv_copy(data: dict) -> dict:
             "source": "prior:the GEMM's memory efficiency and fixed cost (no KV copy figure)"}
 
 
+# A small elementwise kernel inside a CUDA graph runs 2-4 us at decode sizes: zdszero's decode profile
+# of DeepSeek on H800 (zdszero.github.io/Computer/Artificial_Intelligence/deepseek_profile.html):
+# rmsnorm 2 us, FusedAddRMSNorm 3-4 us, per_token_group_quant 2-5 us per kernel.
+ELEMENTWISE_T0_S = 3e-6
+
+
+def _without_elementwise(data: dict) -> dict:
+    gemm = data["operators"]["gemm"]
+    return {"memory_efficiency": gemm["memory_efficiency"], "compute_efficiency": 1.0, "t0_s": ELEMENTWISE_T0_S,
+            "source": "prior:the GEMM's memory efficiency; 3 us per kernel (zdszero's H800 decode profile: "
+                      "norm and quant kernels 2-5 us)"}
+
+
 def _without_host_copy(data: dict) -> dict:
     return {"memory_efficiency": 1.0, "compute_efficiency": 1.0, "t0_s": data.get("host_link_latency_s", 0.0),
             "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
@@ -135,7 +148,7 @@ LINK_FIGURES = "the all-reduce's link efficiency and latency"
 FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
              "gemm_fp8": _without_gemm_fp8,
              "send_recv": _borrowed("allreduce", LINK_FIGURES, "send/recv figure"),
-             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy,
+             "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "elementwise": _without_elementwise,
              "all_to_all": _borrowed("allreduce", LINK_FIGURES, "all-to-all figure"),
              "attention_decode_mla": _borrowed("attention_decode", "the attention_decode operator's figures",
                                                "MLA decode timings")}

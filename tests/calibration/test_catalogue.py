@@ -53,6 +53,24 @@ def test_simulator_breakdown_equals_predict_for_every_operator(tmp_path):
     assert times["qkv_o_proj"] == pytest.approx(layers * (out[3] + out[4]), rel=1e-12)
 
 
+def test_elementwise_kernels_follow_vllms_layer_and_predict_times_each(tmp_path):
+    """Llama-2-70B on TP 2: per layer two fused add+norms, rotary, the KV-cache write and
+    SiLU-and-mul, each kernel timed as `predict op=elementwise` times its bytes."""
+    model = load_model("llama2_70b")
+    latency = LatencyModel(model, load_profile("a100_80g"), 2, "bf16")
+    layers, h = model.num_layers, model.hidden_size
+    kv = 2 * 4 * 128 * 2  # K and V of 4 KV heads per rank, bf16
+    assert latency.elementwise_kernels == [(2 * layers, 4 * h * 2), (layers, 2 * (32 + 4) * 128 * 2),
+                                           (layers, 2 * kv), (layers, 3 * model.intermediate_size / 2 * 2)]
+    tokens = 40
+    shape = BatchShape(num_decode_seqs=tokens, decode_context_tokens=tokens * 500, num_sampled=tokens)
+    rows = [{"op": "elementwise", "bytes": tokens * nbytes} for _, nbytes in latency.elementwise_kernels]
+    out = predicted(tmp_path, rows).time_s.tolist()
+    expected = sum(count * t for (count, _), t in zip(latency.elementwise_kernels, out))
+    assert latency.breakdown(shape)["elementwise"] == pytest.approx(expected, rel=1e-12)
+    assert min(out) >= 3e-6  # each kernel pays its fixed cost (zdszero's 2-5 us per small kernel)
+
+
 def with_decode_correction(profile, factor: float):
     decode = dataclasses.replace(profile.op("attention_decode"),
                                  correction={"grid": [4.0, 20.0], "factors": [factor, factor], "classes": {}})

@@ -90,8 +90,10 @@ P_WATERMARK, P_GRAPH_LAUNCH_S, P_EAGER_LAUNCH_S, P_OVERHEAD_S = range(4)
 PARAM_FLOATS = 4
 # Routers.
 ROUTE_REQUESTS, ROUTE_WAITING, ROUTE_QUEUED_TOKENS, ROUTE_ROUND_ROBIN = range(4)
-# Token-count table columns: QKV and O projections, MLP, all-reduce, all-to-all, send/recv.
-T_QKV, T_MLP, T_ALLREDUCE, T_ALL_TO_ALL, T_SEND_RECV = range(5)
+# Token-count table columns: QKV and O projections, MLP, all-reduce, all-to-all, elementwise
+# kernels, send/recv.
+T_QKV, T_MLP, T_ALLREDUCE, T_ALL_TO_ALL, T_ELEMENTWISE, T_SEND_RECV = range(6)
+TOKEN_TERMS = 6
 # Attention operator parameters: peak, bandwidth, e_c, e_m, t0, per sequence, causal e, heads per
 # rank, query-key width, value width, KV bytes per token per layer per rank, has a table.
 A_PEAK, A_BW, A_EC, A_EM, A_T0, A_PER_SEQ, A_CAUSAL_EC, A_HEADS, A_QK, A_V, A_KV_BYTES, A_TABLE = range(12)
@@ -176,12 +178,13 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
     if graph:  # (elements, not row views: a view costs two atomic reference counts)
         qkv, mlp, allreduce = graph_table[graph, T_QKV], graph_table[graph, T_MLP], graph_table[graph, T_ALLREDUCE]
         all_to_all, send_recv = graph_table[graph, T_ALL_TO_ALL], graph_table[graph, T_SEND_RECV]
+        elementwise = graph_table[graph, T_ELEMENTWISE]
         lm_head = lm_graph[graph]
     else:
         count = prefill_tokens + decode_seqs
         qkv, mlp = tokens_table[row, count, T_QKV], tokens_table[row, count, T_MLP]
         allreduce, all_to_all = tokens_table[row, count, T_ALLREDUCE], tokens_table[row, count, T_ALL_TO_ALL]
-        send_recv = tokens_table[row, count, T_SEND_RECV]
+        send_recv, elementwise = tokens_table[row, count, T_SEND_RECV], tokens_table[row, count, T_ELEMENTWISE]
         lm_head = lm_table[row, sampled]
     attention_prefill = 0.0
     if m_prefill_tokens != 0.0:
@@ -191,14 +194,14 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
     if m_decode_seqs != 0.0:
         attention_decode = layers * _decode_attention(decode_par, decode_grid, decode_factors, m_decode_seqs,
                                                       m_decode_context)
-    gpu = qkv + mlp + p * lm_head + attention_prefill + attention_decode + allreduce
+    gpu = qkv + mlp + elementwise + p * lm_head + attention_prefill + attention_decode + allreduce
     if pi[P_EXPERT_PARALLEL]:
         gpu += all_to_all
     if pp > 1:
         gpu += (pp - 1) * send_recv
         if prefill_tokens:  # the chunk crosses every stage whole (LatencyModel.breakdown)
             chunk = tokens_table[0, prefill_tokens]
-            latency = chunk[T_QKV] + chunk[T_MLP] + 1.0 * lm_table[0, min(sampled, prefill_seqs)] \
+            latency = chunk[T_QKV] + chunk[T_MLP] + chunk[T_ELEMENTWISE] + 1.0 * lm_table[0, min(sampled, prefill_seqs)] \
                 + layers * _prefill_attention(prefill_par, prefill_grid, prefill_factors, float(prefill_seqs),
                                               float(shape[2]), float(shape[3]), float(shape[4]),
                                               float(prefill_tokens)) + 0.0 + chunk[T_ALLREDUCE]

@@ -10,7 +10,7 @@ from sim.latency.model import LatencyModel
 
 
 def _token_terms(latency: LatencyModel, padded: float) -> tuple[float, ...]:
-    """(QKV and O projections, MLP, all-reduce, all-to-all, send/recv) at `padded` tokens, from
+    """(QKV and O projections, MLP, all-reduce, all-to-all, elementwise, send/recv) at `padded` tokens, from
     the model's own memo as _gpu_ops reads it."""
     per_token = latency._per_token_count.get(padded)
     if per_token is None:
@@ -46,7 +46,7 @@ def latency_tables(latency: LatencyModel, max_tokens: int, max_seqs: int) -> tup
     rows = min(latency.pp, 2)
     capture = np.asarray(latency.capture_sizes, dtype=np.int64)
     largest_graph = int(capture[-1]) if len(capture) else 0
-    tokens = np.zeros((rows, max_tokens + 1, 5))
+    tokens = np.zeros((rows, max_tokens + 1, core.TOKEN_TERMS))
     lm_head, cpu, output = (np.zeros((rows, max_seqs + 1)) for _ in range(3))
     for row in range(rows):
         parts = row + 1
@@ -57,7 +57,7 @@ def latency_tables(latency: LatencyModel, max_tokens: int, max_seqs: int) -> tup
             lm_head[row, count] = _lm_head(latency, share)
             cpu[row, count] = latency.cpu_time(share)
             output[row, count] = latency.cpu_output_time(share)
-    graph = np.zeros((largest_graph + 1, 5))
+    graph = np.zeros((largest_graph + 1, core.TOKEN_TERMS))
     lm_graph = np.zeros(largest_graph + 1)
     for size in capture.tolist():
         graph[size] = _token_terms(latency, size)
