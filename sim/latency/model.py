@@ -6,8 +6,10 @@
 per layer, per tensor-parallel rank, for one engine step (one forward pass over every scheduled
 token). GPU operators: attention projections (QKV + output), MLP (dense or the experts a batch
 touches), LM head over the sampled positions, prefill attention (FLOPs of the causal chunk against
-its cached context), decode attention (KV bytes read), two ring all-reduces per layer. Then the
-host's share of the step:
+its cached context), decode attention (KV bytes read), each layer's elementwise kernels (norms,
+rotary, KV-cache write, SiLU-and-mul: bytes streamed plus a fixed cost each), two all-reduces per
+layer (their algorithm chosen per message size, sim.latency.collectives). Then the host's share of
+the step:
 
     step = GPU time + launch + CPU step + output processing
     CPU step (schedule, prepare inputs, sample; the profile's cpu_step) = t0 + per sequence
