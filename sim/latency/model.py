@@ -164,6 +164,8 @@ class LatencyModel:
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
         self.elementwise_op = self._calibrated("elementwise", "elementwise", 1.0, self.bw)
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
+        if block_scaled:
+            self.elementwise_kernels += group_quant_kernels(model, tp)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
@@ -448,6 +450,30 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     dense = layers - model.num_moe_layers
     if dense:
         kernels.append((dense, 3.0 * model.intermediate_size / tp * b))
+    return kernels
+
+
+def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
+    """(layers, bytes per token on one rank) of the activation quantization block-scaled FP8
+    GEMMs need (per_token_group_quant_fp8, one per GEMM input: 16-bit activations read, FP8 values
+    and a 4-byte scale per 128 written), as DeepSeek's checkpoints run in vLLM and SGLang:
+    attention's input (the fused query and KV down-projections'), the query up-projection's and
+    the output projection's; the MLP's input and its down-projection's (a MoE layer: each routed
+    copy of a token's, and the shared experts')."""
+    def quant(width: float) -> float:
+        return width * (ACTIVATION_BYTES + 1 + 4 / 128)
+    layers, h = model.num_layers, model.hidden_size
+    out = (model.v_head_dim if model.is_mla else model.head_dim) * model.num_heads / tp
+    kernels = [(layers, quant(h)), (layers, quant(out))]
+    if model.is_mla and model.q_lora_rank:
+        kernels.append((layers, quant(model.q_lora_rank)))
+    dense = layers - model.num_moe_layers
+    if dense:
+        kernels += [(dense, quant(h)), (dense, quant(model.intermediate_size / tp))]
+    if model.num_moe_layers:
+        routed = model.num_active_experts * model.expert_intermediate_size / tp
+        shared = model.num_shared_experts * model.expert_intermediate_size / tp
+        kernels += [(model.num_moe_layers, quant(h)), (model.num_moe_layers, quant(routed + shared))]
     return kernels
 
 

@@ -252,3 +252,21 @@ def test_fit_recovers_the_all_reduce_ring_latency_and_splits_one_gpu_count_as_nc
     latency = one["t0_s"] + 14 * one["per_seq_s"]
     assert latency == pytest.approx(base_s + 14 * step_s, rel=0.15)  # the measured latency is kept
     assert (one["t0_s"], one["per_seq_s"]) == pytest.approx(ring_latency_split(latency, 8))
+
+
+def test_block_fp8_models_quantize_each_gemm_input_and_others_do_not():
+    """DeepSeek-V3 (block-scaled FP8) on TP 8: five per_token_group_quant kernels a layer (attention
+    input, query up-projection input, output projection input, MLP input, down-projection input);
+    an FP8 model scaled per tensor, and the same model on a GPU without FP8, none."""
+    from sim.latency.model import group_quant_kernels
+    v3 = load_model("deepseek_v3")
+    h100, a100 = load_profile("h100"), load_profile("a100_80g")
+    with_quant = LatencyModel(v3, h100, 8, "bf16").elementwise_kernels
+    quant = group_quant_kernels(v3, 8)
+    assert with_quant[-len(quant):] == quant
+    assert sum(layers for layers, _ in quant) == 5 * v3.num_layers
+    assert (v3.num_moe_layers, (v3.hidden_size) * (2 + 1 + 4 / 128)) in quant
+    assert len(LatencyModel(v3, a100, 8, "bf16").elementwise_kernels) == len(with_quant) - len(quant)
+    llama = dataclasses.replace(load_model("llama31_8b"), weight_dtype="fp8")
+    plain = LatencyModel(llama, h100, 1, "bf16").elementwise_kernels
+    assert len(plain) == 4  # norms, rotary, KV-cache write, SiLU-and-mul
