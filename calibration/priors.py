@@ -63,6 +63,7 @@ NCCL_SIMPLE_STEP_S = {"nvlink": 3.4e-6, "pcie": 5.7e-6}
 NCCL_LL_BANDWIDTH_SHARE = 0.25
 NCCL_NVLS_LATENCY_S = 23e-6
 TUNING = "NCCL 2.20.3 tuning.cc"
+NVLINK4_BYTES_PER_S = 450e9  # bytes/s, one direction of an H100/H200 NVLink 4 link (the fits' bandwidth share)
 # vLLM PR #24111 (benchmarks/kernels/benchmark_device_communicators.py, CUDA graphs, bf16, H100),
 # ms per all-reduce by size at TP 4: its custom all-reduce's one-shot (ca_1stage) and two-shot
 # (ca_2stage) kernels. Fitted on TP 4; the TP 6 table of the same PR checks it (tests).
@@ -223,7 +224,7 @@ def nvlink4_nccl() -> dict:
     """NCCL's Ring/LL and NVLS fitted to the 8 x H200 nccl-tests sizes each ran at (t0, link share)."""
     sizes = np.array(list(H200_NCCL_TESTS_BUSBW), dtype=float)
     times = sizes / (np.array(list(H200_NCCL_TESTS_BUSBW.values())) * 8 / 14)
-    ll, line = sizes <= LL_UP_TO, 450e9
+    ll, line = sizes <= LL_UP_TO, NVLINK4_BYTES_PER_S
     latency, bus = _line(sizes[ll] * 14 / 8, times[ll])
     base, per_step = ring_latency_split(latency, 8)
     t0, algbw = _line(sizes[~ll], times[~ll])
@@ -243,7 +244,7 @@ def custom_all_reduce() -> dict:
         sizes = np.array(list(table)) * 2**20
         moved = 3 * sizes if name == "allreduce_oneshot" else 1.5 * sizes  # (n - 1) S; 2 (n - 1) / n S
         t0, bandwidth = _line(moved, np.array(list(table.values())) * 1e-3)
-        fitted[name] = {"link_efficiency": round(bandwidth / 450e9, 6), "t0_s": round(t0, 9),
+        fitted[name] = {"link_efficiency": round(bandwidth / NVLINK4_BYTES_PER_S, 6), "t0_s": round(t0, 9),
                         "source": f"imported:{CUSTOM_SOURCE}, {len(table)} sizes"}
     return fitted
 

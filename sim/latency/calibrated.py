@@ -149,6 +149,13 @@ class CalibratedGemm:
         return op.corrected(gemm_class(n, k, dtype), m, (groups * flops, groups * nbytes))
 
 
+def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = True) -> CalibratedOp:
+    """A profile operator (sim.latency.profile.OperatorEfficiency) timed against peak and bandwidth."""
+    roof = Roofline(peak, bandwidth, eff.compute_efficiency, eff.memory_efficiency, eff.t0_s, eff.per_seq_s,
+                    eff.causal_efficiency)
+    return CalibratedOp(roof, CorrectionTable.from_json(eff.correction), monotone)
+
+
 def calibrated_gemm(profile) -> CalibratedGemm:
     """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""
     def op(name, peak):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
+from sim.latency.calibrated import CalibratedOp, calibrated_profile_op
 from sim.latency.operators import all_reduce_work, nvls_all_reduce_work, one_shot_all_reduce_work
 
 CUSTOM_MAX_BYTES = 8 * 2**20          # vLLM CustomAllreduce max_size
@@ -82,10 +82,5 @@ class AllReduce:
 def all_reduce_for(profile, num_gpus: int) -> AllReduce:
     """The all-reduce of a GpuProfile over num_gpus GPUs, timed against one direction of its link."""
     link = profile.link_bandwidth_bytes_per_s / 2
-    ops = {}
-    for name in ALGORITHMS:
-        if name in profile.operators:
-            eff = profile.op(name)
-            ops[name] = CalibratedOp(Roofline(1.0, link, eff.compute_efficiency, eff.memory_efficiency, eff.t0_s,
-                                              eff.per_seq_s), CorrectionTable.from_json(eff.correction))
-    return AllReduce(num_gpus, ops)
+    return AllReduce(num_gpus, {name: calibrated_profile_op(profile.op(name), 1.0, link)
+                                for name in ALGORITHMS if name in profile.operators})

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.latency.calibrated import FP8_BLOCK, CalibratedOp, CorrectionTable, Roofline, calibrated_gemm
+from sim.latency.calibrated import FP8_BLOCK, CalibratedOp, calibrated_gemm, calibrated_profile_op
 from sim.latency.collectives import all_reduce_for
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
@@ -176,10 +176,7 @@ class LatencyModel:
 
     def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
         """The profile's operator `name`, timed as the catalogue's `operator`."""
-        eff = self.profile.op(name)
-        roof = Roofline(peak, bandwidth, eff.compute_efficiency, eff.memory_efficiency, eff.t0_s,
-                        eff.per_seq_s, eff.causal_efficiency)
-        return CalibratedOp(roof, CorrectionTable.from_json(eff.correction), CATALOGUE[operator].monotone)
+        return calibrated_profile_op(self.profile.op(name), peak, bandwidth, CATALOGUE[operator].monotone)
 
     def _op(self, name: str, flops: float, nbytes: float, peak: float) -> float:
         eff = self.profile.op(name)
