@@ -41,8 +41,8 @@ SEQ_FLOATS = 6
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
     PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, CACHED_FREE, QUEUE_HEAD, QUEUE_TAIL, FREE_ENTRIES, \
     UNUSED_ENTRIES, FREE_EXTENTS, UNUSED_EXTENTS, FREE_CLAIMS, UNUSED_CLAIMS, STORE_TOP, HELD_ROOM, \
-    ORDER_LEN, MEMO_RUNS, POOL_FAULT = range(25)
-REPLICA_INTS = 25
+    ORDER_LEN, MEMO_RUNS, POOL_FAULT, CHAIN_MASK, NUM_CHAINS = range(27)
+REPLICA_INTS = 27
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
@@ -273,23 +273,23 @@ def _chain_span(pi, seqs, segments, s, d, j):
 
 
 @inline
-def _chain_home(chain_table, chain):
-    """Where a chain starts its probe in a replica's chain table (a power of two): MurmurHash3's
-    64-bit finalizer."""
+def _chain_home(rep, r, chain):
+    """Where a chain starts its probe in the part of a replica's chain table in use (a power
+    of two, rep[r, CHAIN_MASK] + 1 rows): MurmurHash3's 64-bit finalizer."""
     h = chain * np.uint64(0x9E3779B97F4A7C15)
     h ^= h >> np.uint64(33)
     h *= np.uint64(0xFF51AFD7ED558CCD)
     h ^= h >> np.uint64(33)
     h *= np.uint64(0xC4CEB9FE1A85EC53)
     h ^= h >> np.uint64(33)
-    return np.int64(h & np.uint64(chain_table.shape[1] - 1))
+    return np.int64(h & np.uint64(rep[r, CHAIN_MASK]))
 
 
 @inline
-def _find_chain(chain_table, r, chain):
+def _find_chain(chain_table, rep, r, chain):
     """The chain's record, or -1 when no block of it is cached."""
-    mask = chain_table.shape[1] - 1
-    i = _chain_home(chain_table, chain)
+    mask = rep[r, CHAIN_MASK]
+    i = _chain_home(rep, r, chain)
     while True:
         record = chain_table[r, i, 1]
         if record == EMPTY:
@@ -324,35 +324,65 @@ def _drop_row(rows, rep, r, head, i):
 
 @jit
 def _add_chain(chain_table, claims, rep, r, chain):
-    """A record (a row of the claims array) for a chain, in the table."""
-    mask = chain_table.shape[1] - 1
-    i = _chain_home(chain_table, chain)
+    """A record (a row of the claims array) for a chain, in the table; the part of the table in
+    use doubles first if the chain would fill more than half of it."""
+    if 2 * (rep[r, NUM_CHAINS] + 1) > rep[r, CHAIN_MASK] + 1 and rep[r, CHAIN_MASK] + 1 < chain_table.shape[1] // 2:
+        _grow_chain_table(chain_table, claims, rep, r)
+    c = _new_row(claims, rep, r, FREE_CLAIMS)
+    _place_chain(chain_table, claims, rep, r, chain, c)
+    claims[r, c, H_HEAD] = -1
+    rep[r, NUM_CHAINS] += 1
+    return c
+
+
+@inline
+def _place_chain(chain_table, claims, rep, r, chain, c):
+    mask = rep[r, CHAIN_MASK]
+    i = _chain_home(rep, r, chain)
     while chain_table[r, i, 1] != EMPTY:
         i = (i + 1) & mask
-    c = _new_row(claims, rep, r, FREE_CLAIMS)
     chain_table[r, i, 0], chain_table[r, i, 1] = chain, np.uint64(c)
-    claims[r, c, H_HEAD], claims[r, c, H_SLOT] = -1, i
-    return c
+    claims[r, c, H_SLOT] = i
+
+
+@jit
+def _grow_chain_table(chain_table, claims, rep, r):
+    """Twice as much of the chain table in use, its chains placed anew (moved through the
+    table's second half, kept as scratch room). The table is sized for the most chains a run
+    can hold, but only a few thousand are ever cached at once: a small part in use keeps the
+    probes in the CPU's cache (the whole table, 1 MB a replica at rag_agents_100k, missed it
+    on most probes)."""
+    used, scratch = rep[r, CHAIN_MASK] + 1, chain_table.shape[1] // 2
+    kept = 0
+    for i in range(used):
+        if chain_table[r, i, 1] != EMPTY:
+            chain_table[r, scratch + kept, 0], chain_table[r, scratch + kept, 1] = chain_table[r, i, 0], chain_table[r, i, 1]
+            kept += 1
+    chain_table[r, :2 * used, 1] = EMPTY
+    rep[r, CHAIN_MASK] = 2 * used - 1
+    for i in range(scratch, scratch + kept):
+        _place_chain(chain_table, claims, rep, r, chain_table[r, i, 0], np.int64(chain_table[r, i, 1]))
 
 
 @jit
 def _drop_chain(chain_table, claims, rep, r, c):
     """A chain record with no claims leaves the table: later rows of its probe run move back
     into the gap (backward-shift deletion)."""
-    mask = chain_table.shape[1] - 1
+    mask = rep[r, CHAIN_MASK]
     gap = j = claims[r, c, H_SLOT]
     while True:
         j = (j + 1) & mask
         chain, other = chain_table[r, j, 0], chain_table[r, j, 1]
         if other == EMPTY:
             break
-        home = _chain_home(chain_table, chain)
+        home = _chain_home(rep, r, chain)
         # The row may fill the gap unless its home lies cyclically in (gap, j].
         if (gap <= j and (home <= gap or home > j)) or (gap > j and home <= gap and home > j):
             chain_table[r, gap, 0], chain_table[r, gap, 1] = chain, other
             claims[r, np.int64(other), H_SLOT] = gap
             gap = j
     chain_table[r, gap, 1] = EMPTY
+    rep[r, NUM_CHAINS] -= 1
     _drop_row(claims, rep, r, FREE_CLAIMS, c)
 
 
@@ -387,7 +417,7 @@ def _claim(pi, claims, extents, chain_table, rep, r, e, chain, low, high, depth)
     duplicates, keyed but never found). e's claims come deepest first, so the one that may grow
     (ending at the offset, on this chain) is its newest."""
     size = pi[P_BLOCK_SIZE]
-    h = _find_chain(chain_table, r, chain)
+    h = _find_chain(chain_table, rep, r, chain)
     if h < 0:
         h = _add_chain(chain_table, claims, rep, r, chain)
     offset = low
@@ -475,7 +505,7 @@ def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
 
 
 @jit
-def _walk(pi, seqs, segments, claims, chain_table, memo, r, s, count):
+def _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, count):
     """The cached blocks at the start of s, up to count: as runs (extent, first depth, end
     depth) in memo[r, :runs], in s's order; returns (runs, blocks)."""
     size = pi[P_BLOCK_SIZE]
@@ -483,7 +513,7 @@ def _walk(pi, seqs, segments, claims, chain_table, memo, r, s, count):
     j = -1
     while d < count:
         chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
-        h = _find_chain(chain_table, r, chain)
+        h = _find_chain(chain_table, rep, r, chain)
         if h < 0:
             break
         stop = min(chain_end, count)
@@ -513,7 +543,7 @@ def _lookup(pi, seqs, segments, claims, chain_table, memo, store, extents, rep, 
     how many are free."""
     if not pi[P_CACHING]:
         return 0, 0
-    runs, found = _walk(pi, seqs, segments, claims, chain_table, memo, r, s,
+    runs, found = _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s,
                         (seqs[s, TOKENS] - 1) // pi[P_BLOCK_SIZE])
     rep[r, MEMO_RUNS] = runs
     revived = 0
@@ -851,7 +881,7 @@ def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_
         if extents[r, e, X_CLAIMED] < extents[r, e, X_KEYED]:
             _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, extents[r, e, X_KEYED])
         _release(store, extents, entries, rep, r, e, seqs[s, HIT_BLOCKS], extents[r, e, X_HIGH])
-        runs, _ = _walk(pi, seqs, segments, claims, chain_table, memo, r, s, seqs[s, HIT_BLOCKS])
+        runs, _ = _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, seqs[s, HIT_BLOCKS])
         for k in range(runs - 1, -1, -1):
             _release(store, extents, entries, rep, r, memo[r, k, 0], memo[r, k, 1], memo[r, k, 2])
         extents[r, e, X_HELD] = 0

@@ -63,6 +63,8 @@ def _outputs(rows: int, max_seqs: int) -> tuple:
             np.empty((rows + max_seqs, 2)), np.empty((rows + max_seqs, 2), dtype=np.int64))
 
 
+# The part of each replica's chain table in use at first (core._add_chain doubles it as needed).
+FIRST_CHAIN_ROWS = 1024
 # How many times the block store holds what compaction can keep at most (core._new_extent).
 STORE_ROOMS = 2
 
@@ -99,9 +101,17 @@ def _pool_arrays(num_replicas: int, blocks: int, max_seqs: int, store: int, max_
                 np.zeros((num_replicas, num_extents, core.EXTENT_FIELDS), dtype=np.int64),
                 np.zeros((num_replicas, num_rows, core.ENTRY_FIELDS), dtype=np.int64),
                 np.zeros((num_replicas, 2 * num_rows, core.CLAIM_FIELDS), dtype=np.int64),  # chain records too
-                np.full((num_replicas, 1 << (2 * num_rows).bit_length(), 2), core.EMPTY, dtype=np.uint64),
+                _chain_table(num_replicas, 1 << (2 * num_rows).bit_length()),
                 np.zeros((num_replicas, 2 * num_extents, 2), dtype=np.int64),
                 np.zeros((num_replicas, max_blocks, 3), dtype=np.int64))
+
+
+def _chain_table(num_replicas: int, rows: int) -> np.ndarray:
+    """Each replica's chain table (rows, a power of two) and as many rows of scratch room after
+    it (core._grow_chain_table); the first rows in use are empty, the rest untouched."""
+    table = np.zeros((num_replicas, 2 * rows, 2), dtype=np.uint64)
+    table[:, :min(rows, FIRST_CHAIN_ROWS), 1] = core.EMPTY
+    return table
 
 
 @contextmanager
@@ -171,6 +181,7 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     rep[:, core.FREE_ENTRIES] = rep[:, core.FREE_EXTENTS] = rep[:, core.FREE_CLAIMS] = -1
     rep[:, core.UNUSED_ENTRIES] = 1
     pool = _pool(allocator, num_replicas, max_seqs, spec.max_model_len, requests, seqs)
+    rep[:, core.CHAIN_MASK] = min(pool[core.POOL_CHAIN_TABLE].shape[1] // 2, FIRST_CHAIN_ROWS) - 1
     ints, floats = _parameters(setup, allocator, router)
     tables = latency_tables(setup.latency, spec.max_num_batched_tokens, max_seqs)
     buffers = _outputs(ROWS_PER_CALL, max_seqs)
