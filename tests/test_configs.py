@@ -44,7 +44,7 @@ def test_every_model_option_prepares(model):
         cfg.allocators = ["paged"]
     if not spec.unsimulated_kinds:
         assert prepare(cfg).pool.num_blocks > 0
-    else:  # DeepSeek-V4's compressed layers: priced by `sim kv`, refused by the simulator for now
+    else:  # state layers: priced by `sim kv`, refused by the simulator for now
         with pytest.raises(ConfigError, match=f"has {spec.unsimulated_kinds[0]}.* layers"):
             prepare(cfg)
 

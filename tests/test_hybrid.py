@@ -210,7 +210,8 @@ def test_dsa_reads_its_top_k_and_pays_its_indexer():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model=gemma3_27b", "allocators=[contiguous]"], "contiguous allocator does not take a model with window"),
-    (["model=deepseek_v4_flash", "allocators=[prefix]"], "prefix caching for compressed layers"),
+    (["model=deepseek_v4_flash", "allocators=[prefix]", "+allocator_options.prefix.eviction=lfu"],
+     "eviction=lfu for pages of several sizes"),
     (["model=deepseek_v4_flash", "allocators=[radix]"], "radix allocator does not take"),
     (["model=deepseek_v4_flash", "allocators=[paged]", "+allocator_options.paged.pools=per_kind"],
      "per_kind for compressed layers"),

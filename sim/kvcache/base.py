@@ -76,6 +76,20 @@ def decode_rounds_token_by_token(allocator, seqs, num_steps: int, first_waiting)
     return np.array(rows, dtype=np.int64).reshape(num_steps, len(USAGE_FIELDS))
 
 
+class PlannedStepByStep:
+    """Decode stretches: none. For allocators whose pages change with every step (windows
+    leaving, pages of several kinds), the scheduler plans each step on its own."""
+
+    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
+        return False  # a window's blocks leave as the batch decodes
+
+    def decode_steps_that_fit(self, seqs, limit: int) -> int:
+        return 1
+
+    def decode_rounds(self, seqs, num_steps: int, first_waiting=None):
+        return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)
+
+
 def decode_units_needed(allocated: int, slots: int, unit: int, steps: int) -> int:
     """Units (blocks, pages) a sequence with `allocated` tokens in `slots` slots takes over the
     next `steps` - 1 decode steps (the first step's token is already allocated)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from sim.errors import ConfigError
 from sim.kv_layout import HybridLayout
-from sim.kvcache.base import NO_HIT, KVUsage, decode_rounds_token_by_token, slack_split
+from sim.kvcache.base import NO_HIT, KVUsage, PlannedStepByStep, slack_split
 
 POOLS = ("shared", "per_kind")
 
@@ -48,7 +48,7 @@ class HybridSeq:
     blocks: list[int]      # per page kind: blocks held (each of `per_block` pages)
 
 
-class HybridBlockAllocator:
+class HybridBlockAllocator(PlannedStepByStep):
     def __init__(self, budgets: list[int], block_size: int, layout: HybridLayout, per_kind: bool = False):
         """budgets: bytes of each pool (one, or one per layer group with per_kind)."""
         self.block_size, self.layout, self.per_kind = block_size, layout, per_kind
@@ -170,13 +170,3 @@ class HybridBlockAllocator:
         used = capacity - round(self.num_free)
         token_states, reserved = round(token_states), round(reserved)
         return KVUsage(capacity, token_states, reserved, used - token_states - reserved, 0, 0, capacity - used)
-
-    # -- decode stretches: none (the scheduler plans such a model step by step) -----------------
-    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
-        return False  # a window's blocks leave as the batch decodes
-
-    def decode_steps_that_fit(self, seqs, limit: int) -> int:
-        return 1
-
-    def decode_rounds(self, seqs, num_steps: int, first_waiting=None):
-        return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sim.errors import ConfigError
 from sim.kv_layout import HybridLayout
-from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, decode_rounds_token_by_token, slack_split
+from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, PlannedStepByStep, slack_split
 from sim.kvcache.block_pool import BlockPool
 
 GROUP_BITS = 8  # a cache key is (prefix key << GROUP_BITS) | group
@@ -30,7 +30,7 @@ class HybridTables:
     final_len: int
 
 
-class HybridPrefixAllocator:
+class HybridPrefixAllocator(PlannedStepByStep):
     def __init__(self, num_blocks: int, block_size: int, layout: HybridLayout, eviction: str = "lru"):
         self.pool = BlockPool(num_blocks, eviction)
         self.num_blocks, self.block_size, self.layout = num_blocks, block_size, layout
@@ -56,8 +56,8 @@ class HybridPrefixAllocator:
             raise ConfigError(f"pools={pools} with prefix caching is not built, allocator key pools, "
                               f"use pools=shared or the paged allocator")
         if any(kind.pooled for kind in layout.page_kinds) or not layout.equal_pages:
-            raise ConfigError("prefix caching for compressed layers or pages of several sizes is not built yet, "
-                              "key allocators, use allocators=[paged]")
+            from sim.kvcache.sized_pages import SizedPrefixAllocator
+            return SizedPrefixAllocator.from_pool(pool, eviction, pools)
         return cls(pool.num_blocks, pool.block_size, layout, eviction)
 
     @property
@@ -228,13 +228,3 @@ class HybridPrefixAllocator:
         used = self.capacity - free
         return KVUsage(self.capacity, used - reserved - internal, reserved, internal, 0, cached_idle,
                        free - cached_idle)
-
-    # -- decode stretches: none (the scheduler plans such a model step by step) -----------------
-    def admission_stays_blocked(self, full_sequence_reserved: bool) -> bool:
-        return False
-
-    def decode_steps_that_fit(self, seqs, limit: int) -> int:
-        return 1
-
-    def decode_rounds(self, seqs, num_steps: int, first_waiting=None):
-        return decode_rounds_token_by_token(self, seqs, num_steps, first_waiting)

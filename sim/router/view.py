@@ -16,6 +16,7 @@ from itertools import takewhile
 from sim.errors import ConfigError
 from sim.kvcache.block_pool import BlockPool
 from sim.kvcache.hybrid_prefix import HybridPrefixAllocator
+from sim.kvcache.sized_pages import SizedPrefixAllocator
 from sim.kvcache.radix import RadixAllocator
 
 LOAD_METRICS = ("requests", "waiting", "queued_tokens", "kv_use")
@@ -86,7 +87,7 @@ class DelayedCacheIndex:
         self._events: deque[tuple[float, int, bool]] = deque()  # (when, key, keyed or evicted)
         self._known: set[int] = set()
         self.block_size = getattr(allocator, "block_size", 1)
-        if isinstance(allocator, (RadixAllocator, HybridPrefixAllocator)):
+        if isinstance(allocator, (RadixAllocator, HybridPrefixAllocator, SizedPrefixAllocator)):
             raise ConfigError(f"cluster.router_staleness_s with a router reading the replicas' caches takes the "
                               f"paged and prefix allocators only ({type(allocator).__name__} sends no KV events "
                               f"here), key cluster.router_staleness_s, set it to 0 or use router.index=approximate")
