@@ -728,21 +728,29 @@ def _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep,
 @jit
 def _release(store, extents, entries, rep, r, e, low, high):
     """BlockPool.release of extent e's blocks [low, high), deepest first: a block whose count
-    reaches 0 joins the free queue's tail."""
+    reaches 0 joins the free queue's tail. A run of blocks held once joins in one go (the same
+    entry as block by block: each extends the entry its deeper neighbour made)."""
     shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
     keyed = extents[r, e, X_KEYED]
-    for d in range(high - 1, low - 1, -1):
-        store[r, REF, d + shift] -= 1
-        if store[r, REF, d + shift]:
+    d = high - 1
+    while d >= low:
+        if store[r, REF, d + shift] != 1:
+            store[r, REF, d + shift] -= 1
+            d -= 1
             continue
+        first = d  # the run [first, d] of blocks held once
+        while first > low and store[r, REF, first - 1 + shift] == 1:
+            first -= 1
         q = rep[r, QUEUE_TAIL]
         if q >= 0 and entries[r, q, Q_EXTENT] == e and entries[r, q, Q_LOW] == d + 1:
-            entries[r, q, Q_LOW] = d
+            entries[r, q, Q_LOW] = first
         else:
-            q = _link_entry(entries, rep, r, e, d, d + 1, q)
-        store[r, PLACE, d + shift] = q
-        rep[r, FREE_BLOCKS] += 1
-        rep[r, CACHED_FREE] += d < keyed
+            q = _link_entry(entries, rep, r, e, first, d + 1, q)
+        store[r, REF, first + shift:d + 1 + shift] = 0
+        store[r, PLACE, first + shift:d + 1 + shift] = q
+        rep[r, FREE_BLOCKS] += d + 1 - first
+        rep[r, CACHED_FREE] += max(0, min(d + 1, keyed) - first)
+        d = first - 1
 
 
 @jit
