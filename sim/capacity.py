@@ -67,21 +67,23 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
                            for kind in layout.page_kinds)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
     if num_blocks * block_size * bytes_per_token < one_sequence:
-        raise ConfigError(_does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len,
+        raise ConfigError(_does_not_fit(model, profile, tp, pool, one_sequence, max_model_len,
                                         gpu_memory_utilization, activation_reserve_bytes,
-                                        kv_cache_memory_bytes is not None, kv_dtype))
+                                        kv_cache_memory_bytes is not None))
     return KvPool(int(pool), bytes_per_token, block_size, num_blocks, layout)
 
 
-def _does_not_fit(model, profile, tp, pool, bytes_per_token, max_model_len, utilization,
-                  reserve, pool_fixed, kv_dtype) -> str:
+def _does_not_fit(model, profile, tp, pool, sequence_bytes, max_model_len, utilization,
+                  reserve, pool_fixed) -> str:
+    """sequence_bytes: what one max_model_len sequence takes at this tensor_parallel_size (pages
+    and the copies TP keeps included)."""
     what = (f"model {model.name} does not fit: tensor_parallel_size={tp} on {profile.name} leaves "
-            f"{pool / GiB:.2f} GiB of KV pool, fewer than max_model_len={max_model_len} tokens "
-            f"({max_model_len * bytes_per_token / GiB:.2f} GiB)")
+            f"{pool / GiB:.2f} GiB of KV pool, less than one max_model_len={max_model_len} sequence "
+            f"({sequence_bytes / GiB:.2f} GiB)")
     if pool_fixed:
         return f"{what}, key kv_cache_memory_bytes, raise it or lower max_model_len"
     for degree in TP_DEGREES:
-        need = max_model_len * model.kv_bytes_per_token(kv_dtype) * model.kv_replication(degree)
+        need = sequence_bytes / model.kv_replication(tp) * model.kv_replication(degree)
         if _pool_bytes(model, profile, degree, utilization, reserve) >= need:
             return f"{what}, key tensor_parallel_size, use tensor_parallel_size={degree} or more"
     return f"{what}, key gpu, choose a GPU with more memory or a smaller model"
