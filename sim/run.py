@@ -186,8 +186,9 @@ def prepare(cfg: DictConfig) -> Setup:
         if not takes_tiers(allocator):
             tierless.append(name)
     if spec.kv_offload.enabled and tierless:
-        print(f"note: kv_offload applies to the prefix allocator (vLLM's prefix cache) only: "
-              f"{', '.join(tierless)} run without KV tiers", file=sys.stderr)
+        which = ("is not built for models with window or compressed layers" if getattr(pool, "layout", None)
+                 is not None else "applies to the prefix allocator (vLLM's prefix cache) only")
+        print(f"note: kv_offload {which}: {', '.join(tierless)} run without KV tiers", file=sys.stderr)
     largest = max(state_bytes, key=state_bytes.get)  # allocators run one after another
     check_host_memory(largest, state_bytes[largest], spec.num_replicas)
     check_tier_memory(spec, pool)

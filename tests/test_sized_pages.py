@@ -3,7 +3,6 @@ layers, whose pooled entries sit in 256-token pages and raw windows in 64-token 
 (REFERENCE.md section 8: vLLM's `--block-size 256`, a separate window cache of 64-token blocks)."""
 import math
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,3 +146,12 @@ def test_window_churn_does_not_flush_a_shared_prefix():
         allocator.free(s)
     assert allocator.pool.num_evicted > 0  # the budget was tight: pages were evicted
     assert hits == [0] + [16384] * 19
+
+
+def test_kv_tiers_skipped_on_compressed_layers_are_said(capsys):
+    cfg = compose_config("run", ["+experiment=golden", "model=deepseek_v4_flash", "gpu=h200", "tensor_parallel_size=8",
+                                 "allocators=[prefix]", "max_model_len=16384", "kv_cache_memory_bytes=8000000000",
+                                 "kv_offload.cpu_gib=4"])
+    prepare(cfg)
+    assert "kv_offload is not built for models with window or compressed layers: prefix run without KV tiers" \
+        in capsys.readouterr().err

@@ -22,6 +22,8 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
     spec, model = setup.spec, setup.model
     if spec.step_exact:
         return "step_exact=true keeps the plain loop"
+    if model.is_mla or model.attention_groups or getattr(setup.pool, "layout", None) is not None:
+        return "it covers models of one full-attention kind (not MLA, window or compressed layers)"
     if type(allocator) is not BlockAllocator:
         return "it covers the paged and prefix allocators"
     if allocator.enable_caching and allocator.pool.eviction != "lru":
@@ -32,8 +34,6 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
         return "it covers queue_order=fcfs"
     if spec.preemption_mode != "recompute":
         return "it covers preemption_mode=recompute"
-    if model.is_mla or model.attention_groups or getattr(setup.pool, "layout", None) is not None:
-        return "it covers models of one full-attention kind (not MLA, window or compressed layers)"
     if spec.pipeline_parallel_size > 2:
         return "it covers pipeline_parallel_size up to 2"
     if workload.max_concurrency is not None:
