@@ -311,6 +311,19 @@ class HybridLayout:
     def equal_pages(self) -> bool:
         return len({k.page_bytes for k in self.page_kinds}) == 1
 
+    def cache_groups(self) -> list[tuple[PageKind, int]]:
+        """vLLM's KV-cache groups, each (its page kind, its real layers): a grouped kind's layers
+        group_size at a time (its last group holds the padding); a compressed layer group's pages
+        hold all its layers."""
+        groups = []
+        for kind in self.page_kinds:
+            if kind.group.kind == "compressed":
+                groups.append((kind, kind.group.count))
+                continue
+            for index in range(kind.per_block):
+                groups.append((kind, min(self.group_size, kind.group.count - index * self.group_size)))
+        return groups
+
 
 def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], block_size: int,
                   scale: float = 1.0) -> HybridLayout | None:

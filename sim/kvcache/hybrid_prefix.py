@@ -22,6 +22,14 @@ from sim.kvcache.block_pool import BlockPool
 GROUP_BITS = 8  # a cache key is (prefix key << GROUP_BITS) | group
 
 
+def cache_groups(layout: HybridLayout) -> list:
+    """The layout's KV-cache groups (HybridLayout.cache_groups), as many as a cache key can name."""
+    groups = layout.cache_groups()
+    if len(groups) >= 1 << GROUP_BITS:
+        raise ValueError("too many KV-cache groups for the cache key")
+    return groups
+
+
 @dataclass(slots=True)
 class HybridTables:
     tables: list[list[int]]  # per KV-cache group: block ids, -1 where a window dropped one
@@ -34,15 +42,7 @@ class HybridPrefixAllocator(PlannedStepByStep):
     def __init__(self, num_blocks: int, block_size: int, layout: HybridLayout, eviction: str = "lru"):
         self.pool = BlockPool(num_blocks, eviction)
         self.num_blocks, self.block_size, self.layout = num_blocks, block_size, layout
-        # One entry per KV-cache group: its page kind and its real layers (the last group of a
-        # kind holds the padding).
-        self.groups = []
-        for kind in layout.page_kinds:
-            for index in range(kind.per_block):
-                real = min(layout.group_size, kind.group.count - index * layout.group_size)
-                self.groups.append((kind, real))
-        if len(self.groups) >= 1 << GROUP_BITS:
-            raise ValueError("too many KV-cache groups for the cache key")
+        self.groups = cache_groups(layout)
         self.block_group = [0] * num_blocks
         self.used_per_group = [0] * len(self.groups)
         self.seqs: dict[int, HybridTables] = {}

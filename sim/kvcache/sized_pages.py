@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from sim.errors import ConfigError
 from sim.kv_layout import HybridLayout
 from sim.kvcache.base import NO_HIT, KVUsage, PrefixHit, PlannedStepByStep, slack_split
-
-GROUP_BITS = 8  # a cache key is (prefix key << GROUP_BITS) | group
+from sim.kvcache.hybrid_prefix import GROUP_BITS, cache_groups
 
 
 class SizedPagePool:
@@ -117,15 +116,7 @@ class SizedTables:
 class SizedPrefixAllocator(PlannedStepByStep):
     def __init__(self, budget_bytes: int, block_size: int, layout: HybridLayout):
         self.block_size, self.layout = block_size, layout
-        self.groups = []  # (page kind, real layers) per KV-cache group
-        for kind in layout.page_kinds:
-            if kind.group.kind == "compressed":  # its pages hold all its layers
-                self.groups.append((kind, kind.group.count))
-                continue
-            for index in range(kind.per_block):
-                self.groups.append((kind, min(layout.group_size, kind.group.count - index * layout.group_size)))
-        if len(self.groups) >= 1 << GROUP_BITS:
-            raise ValueError("too many KV-cache groups for the cache key")
+        self.groups = cache_groups(layout)  # (page kind, real layers) per KV-cache group
         spans = [kind.tokens_per_page for kind, _ in self.groups]
         self.unit, self.align = math.gcd(*spans), math.lcm(*spans)  # key spacing, hit alignment
         self.pool = SizedPagePool(int(budget_bytes), [math.ceil(kind.page_bytes) for kind, _ in self.groups])
