@@ -10,6 +10,9 @@ runs (the control fifo turns it on and off around each call), and reads the comp
 names from /tmp/perf-PID.map, written after the loop is compiled. A fresh NUMBA_CACHE_DIR makes
 numba compile in this process: code loaded from its cache has no module to name functions from.
 Functions numba inlines (`inline="always"` in core.py) count in their callers.
+
+With PERF_CODE_DIR set to a folder, each compiled function's machine code is written there
+too, for `perf_annotate.py` (samples per instruction of one function).
 """
 from __future__ import annotations
 
@@ -23,6 +26,18 @@ from bench_suite import measure, rag_agents  # noqa: E402
 from sim.engine.compiled import core, driver  # noqa: E402
 
 
+def readable_bytes(address: int, size: int) -> bytes:
+    """This process's memory at address, as much of size as is mapped (a function's span in the
+    map may run past the end of its library's code)."""
+    with open("/proc/self/mem", "rb", buffering=0) as memory:
+        while size > 0:
+            try:
+                return os.pread(memory.fileno(), size, address)
+            except OSError:
+                size //= 2
+    return b""
+
+
 def write_perf_map() -> int:
     """perf's map of the compiled loop's functions (address, size, name); returns how many."""
     addresses = []
@@ -32,9 +47,13 @@ def write_perf_map() -> int:
             if not function.is_declaration:
                 addresses.append((library.get_pointer_to_function(function.name), function.name))
     addresses = sorted(a for a in addresses if a[0])
+    code_dir = os.environ.get("PERF_CODE_DIR")
     with open(f"/tmp/perf-{os.getpid()}.map", "w") as out:
         for (address, name), (following, _) in zip(addresses, [*addresses[1:], (addresses[-1][0] + 4096, "")]):
             out.write(f"{address:x} {following - address:x} {name.split('compiled')[-1][:80]}\n")
+            if code_dir:  # the machine code itself, for perf_annotate.py
+                with open(os.path.join(code_dir, f"{address:x}.bin"), "wb") as code:
+                    code.write(readable_bytes(address, min(following - address, 1 << 18)))
     return len(addresses)
 
 

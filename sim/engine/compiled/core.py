@@ -469,17 +469,18 @@ def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
     """del cached[key] for the keys of extent e's blocks at depths [low, high): its claims (its
     own list, deepest first) lose those depths."""
     size = pi[P_BLOCK_SIZE]
+    low_tokens, high_tokens = low * size, high * size  # (depths compared as tokens: no division)
     before, c = -1, extents[r, e, X_CLAIMS]
     while c >= 0:
         following = claims[r, c, C_OWN_NEXT]
         first = claims[r, c, C_DEPTH]
-        end = first + (claims[r, c, C_HIGH] - claims[r, c, C_LOW]) // size
-        if end <= low:  # and so every claim after it
+        end_tokens = first * size + claims[r, c, C_HIGH] - claims[r, c, C_LOW]  # its end depth x size
+        if end_tokens <= low_tokens:  # and so every claim after it
             break
         if first >= high:
             before, c = c, following
             continue
-        if low <= first and end <= high:  # all of it
+        if low <= first and end_tokens <= high_tokens:  # all of it
             if before < 0:
                 extents[r, e, X_CLAIMS] = following
             else:
@@ -487,7 +488,7 @@ def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
             _drop_claim(claims, chain_table, rep, r, c)
             c = following
             continue
-        if first < low and high < end:  # its middle: the part above becomes a claim, before it
+        if first < low and high_tokens < end_tokens:  # its middle: the part above becomes a claim, before it
             upper = _new_claim(claims, rep, r, claims[r, c, C_CHAIN], e,
                                claims[r, c, C_LOW] + (high - first) * size, high)
             claims[r, upper, C_HIGH], claims[r, upper, C_OWN_NEXT] = claims[r, c, C_HIGH], c
@@ -510,7 +511,7 @@ def _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, count):
     depth) in memo[r, :runs], in s's order; returns (runs, blocks)."""
     size = pi[P_BLOCK_SIZE]
     runs = d = 0
-    j = -1
+    j = seqs[s, SEGMENTS]  # depth 0's segment is found moving on from the first (no search)
     while d < count:
         chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
         h = _find_chain(chain_table, rep, r, chain)
@@ -547,11 +548,12 @@ def _lookup(pi, seqs, segments, claims, chain_table, memo, store, extents, rep, 
                         (seqs[s, TOKENS] - 1) // pi[P_BLOCK_SIZE])
     rep[r, MEMO_RUNS] = runs
     revived = 0
+    refs = store[r, REF]
     for k in range(runs):
         e = memo[r, k, 0]
-        shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
-        for i in range(memo[r, k, 1] + shift, memo[r, k, 2] + shift):
-            revived += store[r, REF, i] == 0
+        first = np.uint64(memo[r, k, 1] + extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW])
+        for i in range(memo[r, k, 2] - memo[r, k, 1]):  # (unsigned indices: no wraparound, a plain vector loop)
+            revived += refs[first + np.uint64(i)] == 0
     return found, revived
 
 
@@ -858,7 +860,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit,
     end = start + num_new
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
         _fill_slack(rep, r, seqs, s, num_new)
-        if caching and end // size > seqs[s, KEYED]:
+        if caching and end >= (seqs[s, KEYED] + 1) * size:  # (a product: a division costs more)
             _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
         return True
     needed = -(-end // size) - seqs[s, BLOCKS]
@@ -940,7 +942,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
         preempted_self = False
         if _lands_in_slack(pi, seqs, s, num_new):
             _fill_slack(rep, r, seqs, s, num_new)
-            if pi[P_CACHING] and seqs[s, SLOTS_TOKENS] // pi[P_BLOCK_SIZE] > seqs[s, KEYED]:
+            if pi[P_CACHING] and seqs[s, SLOTS_TOKENS] >= (seqs[s, KEYED] + 1) * pi[P_BLOCK_SIZE]:  # a block filled
                 _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, seqs[s, SLOTS_TOKENS])
             fits = True
         else:
