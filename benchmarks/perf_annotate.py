@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--map", help="perf's map file (default: the newest /tmp/perf-*.map)")
     args = parser.parse_args(argv)
-    maps = [args.map] if args.map else sorted(glob.glob("/tmp/perf-*.map"), key=os.path.getmtime)
-    if not maps:
+    map_path = args.map or max(glob.glob("/tmp/perf-*.map"), key=os.path.getmtime, default=None)
+    if not map_path:
         raise SystemExit("error: no perf map (/tmp/perf-PID.map); record with perf_compiled.py first")
     pattern = re.compile(r"\d+" + re.escape(args.function) + r"B")
-    chosen = [f for f in functions(args.code_dir, maps[-1]) if pattern.search(f[2])]
+    chosen = [f for f in functions(args.code_dir, map_path) if pattern.search(f[2])]
     if not chosen:
         raise SystemExit(f"error: no compiled function named like {args.function!r} in the perf map")
     address, size, name = max(chosen, key=lambda f: f[1])

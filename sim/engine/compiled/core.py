@@ -511,7 +511,7 @@ def _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, count):
     depth) in memo[r, :runs], in s's order; returns (runs, blocks)."""
     size = pi[P_BLOCK_SIZE]
     runs = d = 0
-    j = seqs[s, SEGMENTS]  # depth 0's segment is found moving on from the first (no search)
+    j = -1
     while d < count:
         chain, start, chain_end, j = _chain_span(pi, seqs, segments, s, d, j)
         h = _find_chain(chain_table, rep, r, chain)
@@ -803,6 +803,13 @@ def _lands_in_slack(pi, seqs, s, num_new):
 
 
 @inline
+def _fills_a_block(pi, seqs, s, end):
+    """Whether s's tokens up to `end` fill a block past its keyed ones (end // block_size >
+    keyed, as a product: the division cost a fifth of _schedule's time)."""
+    return end >= (seqs[s, KEYED] + 1) * pi[P_BLOCK_SIZE]
+
+
+@inline
 def _fill_slack(rep, r, seqs, s, num_new):
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
@@ -860,7 +867,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit,
     end = start + num_new
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
         _fill_slack(rep, r, seqs, s, num_new)
-        if caching and end >= (seqs[s, KEYED] + 1) * size:  # (a product: a division costs more)
+        if caching and _fills_a_block(pi, seqs, s, end):
             _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
         return True
     needed = -(-end // size) - seqs[s, BLOCKS]
@@ -942,7 +949,7 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
         preempted_self = False
         if _lands_in_slack(pi, seqs, s, num_new):
             _fill_slack(rep, r, seqs, s, num_new)
-            if pi[P_CACHING] and seqs[s, SLOTS_TOKENS] >= (seqs[s, KEYED] + 1) * pi[P_BLOCK_SIZE]:  # a block filled
+            if pi[P_CACHING] and _fills_a_block(pi, seqs, s, seqs[s, SLOTS_TOKENS]):
                 _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, seqs[s, SLOTS_TOKENS])
             fits = True
         else:
