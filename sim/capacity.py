@@ -26,8 +26,9 @@ class KvPool:
     bytes_per_token: float  # per replica, replicas of a token across ranks included
     block_size: int
     num_blocks: int
-    # Models with sliding or chunked layers: vLLM's hybrid layout (a block is then one page of a
-    # KV-cache group, and bytes_per_token a token of one such page).
+    # Models with sliding, chunked, compressed or state layers: vLLM's hybrid layout (a block is
+    # then one page of a KV-cache group, and bytes_per_token a token of one such page); with state
+    # layers block_size is the raised one (sim.kv_layout.state_block_size).
     layout: HybridLayout | None = None
 
     @property
@@ -56,6 +57,7 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
         pool = float(kv_cache_memory_bytes) * tp * pp
     else:
         pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
+    block_size = model.engine_block_size(block_size, kv_dtype)  # (raised for state layers)
     layout = hybrid_layout(model.layer_groups, [model.entry_bytes(g, kv_dtype) for g in model.layer_groups],
                            block_size, scale)
     if layout is None:

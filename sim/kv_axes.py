@@ -69,7 +69,7 @@ def run_kv_axes(cfg: DictConfig, compose_workload, build_workload, simulate_run)
                 model = model_from_config(vcfg.model)
                 dtype = resolve_kv_dtype(model, kv_dtype)
                 row = {"workload": workload_name, "variant": variant, "kv_dtype": dtype}
-                if not model.unsimulated_kinds:
+                if not model.untimed_layers:
                     setup, result = simulate_run(vcfg, workload, f"{workload_name}/{variant}/{dtype}")
                     row.update(_memory_row(model, dtype, setup.spec.tensor_parallel_size, mean_tokens))
                     m = result.metrics

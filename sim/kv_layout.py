@@ -11,11 +11,19 @@ A model is a list of layer groups, `count` layers of one kind each (REFERENCE.md
                 the last min(t, window) raw tokens (DeepSeek-V4 CSA/HCA)  top_k = 0) + the window
     dsa         t latents + t indexer keys (DeepSeek-V3.2)                min(t, top_k)
     shared      nothing: reads another layer's KV (CLA, Gemma 3n)         its source's (window given: a window)
-    state       a fixed state per sequence (Mamba-style)                  the state
+    state       a fixed state per sequence (Mamba-2: a conv state and     the state (read and written)
+                an SSM state, vLLM's mamba2_state_shape)
+    mlp         nothing: a layer of an MLP block alone (Nemotron-H's -)   nothing
 
 Bytes per entry come from the model's widths and KV dtype, or are given (`entry_bytes`) where an
 engine stores a mixed layout (vLLM stores a V3.2 latent in 656 B: 512 FP8 + 16 B of scales + 64
 BF16 RoPE; a V4 entry in 584 B), in which case kv_cache_dtype does not change them.
+
+State layers hold one page per sequence whatever its length: vLLM's hybrid Mamba path raises the
+attention block size until an attention page holds a state layer's state (16 x ceil(state /
+(16 x one token's page)) tokens) and pads the state's page to the attention page
+(HybridAttentionMambaModelConfig.verify_and_update_config, vllm/model_executor/models/config.py),
+so that state and attention layers share one page size and group like any other kinds.
 
 Allocation follows vLLM: blocks of block_size tokens per group; a window or chunk layer keeps only
 the blocks that hold its live tokens (the rest are freed); kinds with equal page sizes share one
@@ -32,9 +40,10 @@ from dataclasses import dataclass, fields
 
 from sim.errors import ConfigError
 
-LAYER_KINDS = ("full", "mla", "sliding", "chunked", "compressed", "dsa", "shared", "state")
+LAYER_KINDS = ("full", "mla", "sliding", "chunked", "compressed", "dsa", "shared", "state", "mlp")
 WINDOWED = ("sliding", "chunked")  # kinds whose blocks leave once their tokens leave the window
-GROUPED = ("full", "mla", "sliding", "chunked", "dsa")  # kinds of vLLM's one-page-size groups
+GROUPED = ("full", "mla", "sliding", "chunked", "dsa", "state")  # kinds of vLLM's one-page-size groups
+NO_ATTENTION = ("state", "mlp")  # kinds whose layers run no attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +58,19 @@ class LayerGroup:
     indexer_entry_bytes: float = 0  # an indexer key per stored entry (CSA, DSA); 0: no indexer
     indexer_heads: int = 0        # the indexer's heads and width, for its scoring FLOPs
     indexer_head_dim: int = 0
-    state_bytes: int = 0          # state layers: bytes per sequence
+    state_bytes: int = 0          # state layers: bytes per sequence (0: from the Mamba-2 widths below)
+    # State layers (Mamba-2 mixers, as Nemotron-H's config names them): heads (mamba_num_heads), head
+    # width (mamba_head_dim), state size N (ssm_state_size), B/C groups (n_groups), the causal
+    # conv's kernel (conv_kernel), the chunked scan's chunk (chunk_size) and the state's dtype
+    # (vLLM's mamba_ssm_cache_dtype; "" = the model's activations, bf16).
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state_size: int = 0
+    ssm_groups: int = 1
+    conv_kernel: int = 4
+    ssm_chunk: int = 256
+    ssm_state_dtype: str = ""
+    mlp: bool = True              # the layers carry an MLP block (Nemotron-H's mixer layers do not)
     block_tokens: int = 0         # tokens a block covers, when not the engine's block_size (V4: 256)
     page_align: int = 1           # pages padded to a multiple of this many bytes (V4: 576)
     window_block_tokens: int = 0  # compressed: block size of the raw window cache (V4: 64)
@@ -65,8 +86,35 @@ class LayerGroup:
                               f"{where}, set window")
         if self.kind == "compressed" and (self.ratio < 1 or self.window < 0):
             raise ConfigError(f"compressed layers need ratio >= 1 and window >= 0, {where}")
-        if self.kind == "state" and self.state_bytes <= 0:
-            raise ConfigError(f"state layers need state_bytes > 0, {where}, set state_bytes")
+        if self.kind == "state" and self.state_bytes <= 0 and not self.has_mixer_widths:
+            raise ConfigError(f"state layers need state_bytes > 0 or their Mamba-2 widths (ssm_heads, "
+                              f"ssm_head_dim, ssm_state_size), {where}, set them")
+        if self.ssm_state_dtype not in ("", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"ssm_state_dtype '{self.ssm_state_dtype}' is not bf16, fp16 or fp32, {where}")
+
+    @property
+    def has_mixer_widths(self) -> bool:
+        """Whether a state layer gives its Mamba-2 widths (needed to time it)."""
+        return self.ssm_heads > 0 and self.ssm_head_dim > 0 and self.ssm_state_size > 0
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_heads * self.ssm_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the causal conv: x, B and C (vLLM's conv_dim)."""
+        return self.ssm_inner + 2 * self.ssm_groups * self.ssm_state_size
+
+    def mamba_state_bytes(self, activation_bytes: int = 2) -> float:
+        """One sequence's state in one state layer: given, or vLLM's mamba2_state_shape, the conv
+        state (conv_kernel - 1) x conv channels in the activations' dtype and the SSM state
+        heads x head_dim x N in ssm_state_dtype."""
+        if self.state_bytes:
+            return float(self.state_bytes)
+        ssm_bytes = {"": activation_bytes, "bf16": 2, "fp16": 2, "fp32": 4}[self.ssm_state_dtype]
+        return float((self.conv_kernel - 1) * self.conv_channels * activation_bytes
+                     + self.ssm_heads * self.ssm_head_dim * self.ssm_state_size * ssm_bytes)
 
 
 def layer_group(values: dict, where: str) -> LayerGroup:
@@ -133,9 +181,28 @@ def _aligned(nbytes: float, align: int) -> float:
     return math.ceil(nbytes / align) * align if align > 1 else nbytes
 
 
+def state_block_size(groups, entry_bytes: list[float], block_size: int) -> int:
+    """The attention block size vLLM runs a model with state layers at: block_size, or 16 x
+    ceil(largest state / (16 x one token's attention page)) tokens where that is larger, so that
+    one attention page holds a state (HybridAttentionMambaModelConfig); block_size otherwise."""
+    states = [nbytes for g, nbytes in zip(groups, entry_bytes) if g.kind == "state"]
+    token_page = attention_token_page(groups, entry_bytes)
+    if not states or not token_page:
+        return block_size
+    return max(block_size, 16 * math.ceil(max(states) / (16 * token_page)))
+
+
+def attention_token_page(groups, entry_bytes: list[float]) -> float:
+    """One token's page in one layer of the grouped attention kinds (0: none)."""
+    return max((nbytes + g.indexer_entry_bytes for g, nbytes in zip(groups, entry_bytes)
+                if g.kind in GROUPED and g.kind != "state"), default=0.0)
+
+
 def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, block_size: int,
-               padded_layers: int) -> KindUsage:
-    """`padded_layers` >= count: the layers whose pages the engine allocates (group padding)."""
+               padded_layers: int, state_page: float = 0.0) -> KindUsage:
+    """`padded_layers` >= count: the layers whose pages the engine allocates (group padding);
+    a state layer's `entry_bytes` is its state, held in a page of `state_page` bytes (vLLM pads
+    it to the attention page; 0: the state itself)."""
     layers, n = group.count, batch * group.count
     entries = stored_entries(group, tokens)
     stored = n * entries * entry_bytes
@@ -165,8 +232,9 @@ def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, b
         allocated = n * (blocks * (page + index_page)
                          + window_pages * _aligned(window_block * entry_bytes, group.page_align))
     elif group.kind == "state":
-        state = allocated = float(n * group.state_bytes)
-    else:  # shared
+        state = float(n * entry_bytes)
+        allocated = float(batch * padded_layers * max(state_page, entry_bytes))
+    else:  # shared, mlp
         allocated = 0.0
     return KindUsage(group.kind, layers, entries, entry_bytes, stored, indexer, window, state,
                      allocated, freed)
@@ -188,7 +256,6 @@ def padded_layer_counts(groups, page_bytes) -> list[int]:
 
 # -- what one step's attention reads, per layer group ------------------------------------------
 PLAIN_ATTENTION = ("full", "mla", "shared")  # every query reads the whole context
-TIMED = ("full", "mla", "shared", "sliding", "chunked", "dsa", "compressed")  # kinds the simulator runs
 
 
 def _window_sum(n: int, w: int) -> int:
@@ -215,7 +282,9 @@ def _pooled_sum(n: int, ratio: int, cap: int = 0) -> int:
 
 def decode_reach(group: LayerGroup, context: int) -> int:
     """Keys one layer's decode query reads when the context (its own token included) is `context`
-    (a shared layer with a window reads a sliding source's window)."""
+    (a shared layer with a window reads a sliding source's window; layers without attention none)."""
+    if group.kind in NO_ATTENTION:
+        return 0
     if group.kind == "sliding" or (group.kind == "shared" and group.window):
         return min(context, group.window)
     if group.kind == "chunked":
@@ -232,6 +301,8 @@ def prefill_reach(group: LayerGroup, cached: int, new: int) -> tuple[int, int, i
     """(pairs against cached keys, causal pairs within the chunk, KV tokens read) of one layer for a
     chunk of `new` tokens after `cached` ones; a DSA layer's top-k counts as a window of k; a
     compressed layer's pooled entries count against the cache, its raw window as a window."""
+    if group.kind in NO_ATTENTION:
+        return 0, 0, 0
     if group.kind in ("sliding", "shared") and group.window or (group.kind == "dsa" and group.top_k):
         w = group.top_k if group.kind == "dsa" else group.window
         causal = _window_sum(new, w)
@@ -283,6 +354,11 @@ class PageKind:
     page_bytes: float      # one page (of per_block): its layers (padding included), aligned
     pool: int              # the layer group's index (pools=per_kind: its own pool)
 
+    @property
+    def per_sequence(self) -> bool:
+        """State pages: one per sequence (per KV-cache group), whatever its length."""
+        return self.group.kind == "state"
+
     def first_live(self, computed: int) -> int:
         """The first token this page kind still holds once `computed` tokens are computed: a
         window drops the tokens no later query reads, as vLLM frees them before the next step."""
@@ -293,6 +369,8 @@ class PageKind:
         return max(0, computed - self.window + 1)
 
     def blocks(self, first_live: int, end: int) -> int:
+        if self.per_sequence:
+            return 1 if end > 0 else 0
         if self.pooled:
             entries, per_page = end // self.group.ratio, self.tokens_per_page // self.group.ratio
             return -(-entries // per_page)
@@ -327,10 +405,18 @@ class HybridLayout:
 
 def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], block_size: int,
                   scale: float = 1.0) -> HybridLayout | None:
-    """The layout of a model with sliding, chunked or compressed layers (None otherwise); entry
-    bytes per group, `scale` the copies a replica keeps (TP replication, the PP stage factor)."""
-    if not any(g.kind in WINDOWED or g.kind == "compressed" for g in groups):
+    """The layout of a model with sliding, chunked, compressed or state layers (None otherwise);
+    entry bytes per group (a state layer's: its state), `scale` the copies a replica keeps (TP
+    replication, the PP stage factor). block_size is the attention's, raised already for state
+    layers (state_block_size): a state page is padded to an attention page."""
+    if not any(g.kind in WINDOWED or g.kind in ("compressed", "state") for g in groups):
         return None
+    token_page = attention_token_page(groups, entry_bytes)
+    if any(g.kind == "state" for g in groups) and not token_page:
+        raise ConfigError("a model of state layers without attention layers is not modelled (its pages have no "
+                          "attention page size to pad to), key model, give it attention layers")
+    states = {i: nbytes for i, (g, nbytes) in enumerate(zip(groups, entry_bytes)) if g.kind == "state"}
+    entry_bytes = [token_page if g.kind == "state" else nbytes for g, nbytes in zip(groups, entry_bytes)]
     grouped = [(i, g) for i, g in enumerate(groups) if g.kind in GROUPED]
     if len({entry_bytes[i] + g.indexer_entry_bytes for i, g in grouped}) > 1:
         raise ConfigError("a model mixing grouped layer kinds of different entry sizes is not padded to one "
@@ -342,7 +428,7 @@ def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], bloc
         tokens, entry = g.block_tokens or block_size, entry_bytes[i] + g.indexer_entry_bytes
         page = size * _aligned(tokens * entry, g.page_align) * scale
         kinds.append(PageKind(g, False, g.window if g.kind in WINDOWED else 0, layers // size, tokens,
-                              entry * scale, page, i))
+                              states.get(i, entry) * scale, page, i))  # (a state page: its state's bytes)
     for i, g in enumerate(groups):
         if g.kind != "compressed":
             continue

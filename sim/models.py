@@ -16,8 +16,8 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from sim.errors import ConfigError, UnknownNameError
-from sim.kv_layout import (PLAIN_ATTENTION, TIMED, KindUsage, LayerGroup, kind_usage, layer_group,
-                           padded_layer_counts)
+from sim.kv_layout import (NO_ATTENTION, PLAIN_ATTENTION, KindUsage, LayerGroup, attention_token_page,
+                           kind_usage, layer_group, padded_layer_counts, state_block_size)
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
@@ -81,6 +81,9 @@ class ModelSpec:
         if self.layers and sum(g.count for g in self.layers) != self.num_layers:
             raise ConfigError(f"layers count {sum(g.count for g in self.layers)} layers, not "
                               f"num_layers={self.num_layers}, {where}, fix the model YAML")
+        if self.num_moe_layers > self.num_mlp_layers:
+            raise ConfigError(f"{self.num_moe_layers} MoE layers but only {self.num_mlp_layers} layers carry an MLP "
+                              f"block, {where}, fix num_dense_layers or the layers' mlp flags")
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -93,10 +96,26 @@ class ModelSpec:
         return (stored, LayerGroup("shared", shared)) if shared else (stored,)
 
     @property
-    def unsimulated_kinds(self) -> list[str]:
-        """Layer kinds the simulator's allocators and step times do not model yet (state
-        layers); `sim kv` prices them."""
-        return sorted({g.kind for g in self.layer_groups} - set(TIMED))
+    def untimed_layers(self) -> str:
+        """Why the simulator cannot time these layers ('' when it can): state layers given only
+        their state's bytes; `sim kv` prices them all the same."""
+        if any(g.kind == "state" and not g.has_mixer_widths for g in self.layer_groups):
+            return "state layers without their Mamba-2 widths (ssm_heads, ssm_head_dim, ssm_state_size)"
+        return ""
+
+    @property
+    def num_state_layers(self) -> int:
+        return sum(g.count for g in self.layer_groups if g.kind == "state")
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers whose mixer is attention (all but state and MLP-only layers)."""
+        return sum(g.count for g in self.layer_groups if g.kind not in NO_ATTENTION)
+
+    @property
+    def num_mlp_layers(self) -> int:
+        """Layers that carry an MLP block (dense or MoE); Nemotron-H's mixer layers carry none."""
+        return sum(g.count for g in self.layer_groups if g.mlp or g.kind == "mlp")
 
     @property
     def attention_groups(self) -> tuple[LayerGroup, ...]:
@@ -108,21 +127,32 @@ class ModelSpec:
         """Bytes of one stored entry of one layer of `group` (given bytes win over the dtype)."""
         if group.entry_bytes:
             return group.entry_bytes
-        if group.kind in ("shared", "state"):
+        if group.kind == "state":  # its state, per sequence
+            return group.mamba_state_bytes()
+        if group.kind in ("shared", "mlp"):
             return 0.0
         s = DTYPE_BYTES[kv_dtype or self.kv_dtype]
         if group.kind == "mla" or (group.kind in ("dsa", "compressed") and self.kv_lora_rank):
             return (self.kv_lora_rank + self.qk_rope_head_dim) * s  # one latent (pooled, if compressed)
         return 2 * self.num_kv_heads * self.head_dim * s  # K and V of every KV head
 
+    def engine_block_size(self, block_size: int, kv_dtype: str | None = None) -> int:
+        """The attention block size vLLM runs: block_size, raised for state layers so that one
+        attention page holds a state (sim.kv_layout.state_block_size)."""
+        return state_block_size(self.layer_groups, [self.entry_bytes(g, kv_dtype) for g in self.layer_groups],
+                                block_size)
+
     def kv_usage(self, tokens: int, batch: int = 1, block_size: int = 16,
                  kv_dtype: str | None = None) -> list[KindUsage]:
         """Each layer group's KV for `batch` sequences of `tokens` tokens (sim.kv_layout)."""
         groups = self.layer_groups
-        sizes = [self.entry_bytes(g, kv_dtype) + g.indexer_entry_bytes for g in groups]
+        entries = [self.entry_bytes(g, kv_dtype) for g in groups]
+        block_size = self.engine_block_size(block_size, kv_dtype)
+        token_page = attention_token_page(groups, entries)  # state pages pad to block_size of it
+        sizes = [token_page if g.kind == "state" else e + g.indexer_entry_bytes for g, e in zip(groups, entries)]
         padded = padded_layer_counts(groups, sizes)
-        return [kind_usage(g, self.entry_bytes(g, kv_dtype), tokens, batch, block_size, layers)
-                for g, layers in zip(groups, padded)]
+        return [kind_usage(g, e, tokens, batch, block_size, layers, block_size * token_page)
+                for g, e, layers in zip(groups, entries, padded)]
 
     @property
     def is_mla(self) -> bool:
@@ -132,7 +162,7 @@ class ModelSpec:
     def num_kv_layers(self) -> int:
         """Layers that store KV (CLA: every c-th; a layered model: all but shared and state)."""
         if self.layers:
-            return sum(g.count for g in self.layers if g.kind not in ("shared", "state"))
+            return sum(g.count for g in self.layers if g.kind not in ("shared", "state", "mlp"))
         return math.ceil(self.num_layers / self.cla_share_factor)
 
     @property

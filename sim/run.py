@@ -143,10 +143,9 @@ def prepare(cfg: DictConfig) -> Setup:
     model = model_from_config(cfg.model)
     if model.substituted:
         print(f"note: model {model.name}: {model.substituted}", file=sys.stderr)
-    if model.unsimulated_kinds:
-        raise ConfigError(f"model {model.name} has {', '.join(model.unsimulated_kinds)} layers, which the "
-                          f"simulator's allocators and step times do not model yet (python -m sim kv prices "
-                          f"them), key model, choose a model without them")
+    if model.untimed_layers:
+        raise ConfigError(f"model {model.name} has {model.untimed_layers}, which the simulator cannot time "
+                          f"(python -m sim kv prices them), key model, give their widths")
     spec = engine_spec(cfg, model.max_position_embeddings)
     if spec.quantization:  # weights (and so GEMM inputs) in the quantized type
         model = dataclasses.replace(model, weight_dtype=spec.quantization)
@@ -161,6 +160,9 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                         pipeline_parallel_size=spec.pipeline_parallel_size)
+    if pool.block_size != spec.block_size:  # vLLM raises it the same way, and logs it
+        print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
+              f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")

@@ -40,13 +40,9 @@ def test_every_model_option_prepares(model):
     cfg = compose_config("run", [f"model={model}", *extra, "gpu=h200", f"tensor_parallel_size={tp}",
                                  "max_model_len=4096"])
     spec = model_from_config(cfg.model)
-    if any(g.kind in ("sliding", "chunked", "compressed") for g in spec.layer_groups):  # hybrid manager: paged only
+    if any(g.kind in ("sliding", "chunked", "compressed", "state") for g in spec.layer_groups):  # hybrid manager
         cfg.allocators = ["paged"]
-    if not spec.unsimulated_kinds:
-        assert prepare(cfg).pool.num_blocks > 0
-    else:  # state layers: priced by `sim kv`, refused by the simulator for now
-        with pytest.raises(ConfigError, match=f"has {spec.unsimulated_kinds[0]}.* layers"):
-            prepare(cfg)
+    assert prepare(cfg).pool.num_blocks > 0
 
 
 @pytest.mark.parametrize("scenario", options("scenario"))

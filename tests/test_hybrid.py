@@ -214,9 +214,13 @@ def test_dsa_reads_its_top_k_and_pays_its_indexer():
      "eviction=lfu for pages of several sizes"),
     (["model=deepseek_v4_flash", "allocators=[radix]"], "radix allocator does not take"),
     (["model=deepseek_v4_flash", "allocators=[paged]", "+allocator_options.paged.pools=per_kind"],
-     "per_kind for compressed layers"),
-    (["model=gemma3_27b", "allocators=[paged]", "+model.layers=[{kind: state, count: 62, state_bytes: 1000}]"],
-     "has state layers"),
+     "per_kind for compressed or state layers"),
+    (["model=gemma3_27b", "allocators=[paged]",
+      "+model.layers=[{kind: state, count: 52, state_bytes: 1000}, {kind: full, count: 10}]"],
+     "state layers without their Mamba-2 widths"),
+    (["model=nemotron_h_8b", "allocators=[prefix]"], "prefix caching over state"),
+    (["model=nemotron_h_8b", "allocators=[paged]", "+allocator_options.paged.pools=per_kind"],
+     "per_kind for compressed or state layers"),
 ])
 def test_what_the_simulator_cannot_run_yet_is_one_line(overrides, message):
     cfg = compose_config("run", [*overrides, "gpu=h200", "tensor_parallel_size=8", "max_model_len=8192"])

@@ -95,10 +95,18 @@ def test_shared_layers_allocate_nothing_and_cla2_halves_the_cache():
     assert by_kind(cla, 4096)["shared"].allocated_bytes == 0
 
 
-def test_state_layers_are_fixed_per_sequence():
+def test_state_layers_are_fixed_per_sequence_in_pages_padded_to_the_attention_page():
     model = model_from_dict({**GEMMA3_27B, "layers": [{"kind": "state", "count": 52, "state_bytes": 1 << 20},
                                                       {"kind": "full", "count": 10}]})
-    assert by_kind(model, 10, batch=3)["state"].allocated_bytes == by_kind(model, 100_000, batch=3)["state"].allocated_bytes == 3 * 52 << 20
+    short, long = by_kind(model, 10, batch=3)["state"], by_kind(model, 100_000, batch=3)["state"]
+    assert short.allocated_bytes == long.allocated_bytes and short.state_bytes == 3 * 52 << 20
+    # vLLM raises the block to 16 x ceil(1 MiB / (16 x 8,192 B)) = 128 tokens, a page of exactly
+    # 1 MiB; the 52 state layers fill groups of 10 (the full layers' count), the last padded by 8
+    assert model.engine_block_size(16) == 128 and long.padding_bytes == 3 * 8 << 20
+    odd = model_from_dict({**GEMMA3_27B, "layers": [{"kind": "state", "count": 52, "state_bytes": 1_000_000},
+                                                    {"kind": "full", "count": 10}]})
+    assert odd.engine_block_size(16) == 128  # 1,000,000 B padded to the 1 MiB attention page
+    assert by_kind(odd, 10)["state"].padding_bytes == 52 * ((1 << 20) - 1_000_000) + (8 << 20)
 
 
 @pytest.mark.parametrize("layers, message", [

@@ -1,5 +1,5 @@
-"""Paged KV allocation for models with sliding-window, chunked-local or compressed layers: vLLM's
-hybrid KV cache manager (REFERENCE.md section 8; docs/design/hybrid_kv_cache_manager.md), without
+"""Paged KV allocation for models with sliding-window, chunked-local, compressed or state layers:
+vLLM's hybrid KV cache manager (REFERENCE.md section 8; docs/design/hybrid_kv_cache_manager.md), without
 prefix caching.
 
 A sequence holds pages of each kind of sim.kv_layout.HybridLayout: for layers of one page size,
@@ -8,8 +8,10 @@ take their page share all the same), block_size tokens a page; a compressed laye
 its pooled entries, its indexer keys and its raw window in pages of their own sizes. Full-history
 pages hold every token; a window's pages hold tokens from c - w + 1 on, a chunk's from the current
 chunk's start, c the tokens computed before the step, as vLLM frees the pages its next queries no
-longer read before allocating a step's new tokens. Pages are paid from one byte budget (pages of
-different sizes do not fragment it: a simplification where they differ).
+longer read before allocating a step's new tokens; a state layer's group one page per sequence,
+taken at admission and kept until it finishes (its padding to the attention page is internal
+fragmentation). Pages are paid from one byte budget (pages of different sizes do not fragment it:
+a simplification where they differ).
 
 `pools=per_kind` is TensorRT-LLM's alternative: one pool per layer kind (its layers in one page,
 no padding), the memory split statically in proportion to window x layers (a full layer's window
@@ -70,8 +72,8 @@ class HybridBlockAllocator(PlannedStepByStep):
         layout = pool.layout
         if pools == "shared":
             return cls([pool.num_blocks * pool.bytes_per_token * pool.block_size], pool.block_size, layout)
-        if any(kind.pooled for kind in layout.page_kinds):
-            raise ConfigError("pools=per_kind for compressed layers is not modelled, allocator key pools, "
+        if any(kind.pooled or kind.per_sequence for kind in layout.page_kinds):
+            raise ConfigError("pools=per_kind for compressed or state layers is not modelled, allocator key pools, "
                               "use pools=shared")
         budgets = [share * pool.pool_bytes for share in per_kind_shares(layout, max_model_len)]
         allocator = cls(budgets, pool.block_size, layout, per_kind=True)
@@ -156,7 +158,9 @@ class HybridBlockAllocator(PlannedStepByStep):
                 if not blocks:
                     continue
                 layers = kind.group.count * kind.entry_bytes
-                if kind.pooled:
+                if kind.per_sequence:  # a state: live whole (its page's padding is internal)
+                    token_states += layers
+                elif kind.pooled:
                     ratio = kind.group.ratio
                     slots = blocks * kind.tokens_per_page // ratio
                     token_states += end // ratio * layers

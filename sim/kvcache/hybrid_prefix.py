@@ -55,6 +55,9 @@ class HybridPrefixAllocator(PlannedStepByStep):
         if pools != "shared":
             raise ConfigError(f"pools={pools} with prefix caching is not built, allocator key pools, "
                               f"use pools=shared or the paged allocator")
+        if any(kind.per_sequence for kind in layout.page_kinds):
+            raise ConfigError("prefix caching over state (Mamba) layers is not modelled (vLLM 0.10 turns it off for "
+                              "these models), key allocators, use paged")
         if any(kind.pooled for kind in layout.page_kinds) or not layout.equal_pages:
             from sim.kvcache.sized_pages import SizedPrefixAllocator
             return SizedPrefixAllocator.from_pool(pool, eviction, pools)

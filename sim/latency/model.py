@@ -48,8 +48,10 @@ from sim.latency.collectives import all_reduce_for
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
+from sim.kv_layout import NO_ATTENTION
 from sim.latency.moe import MoeLayer
 from sim.latency.profile import GpuProfile
+from sim.latency.state import StateMixer
 from sim.models import DTYPE_BYTES, ModelSpec
 
 
@@ -139,7 +141,13 @@ class LatencyModel:
         up = (2 if model.gated_mlp else 1) * model.intermediate_size / tp
         self.dense_mlp_gemms = [(up, h), (h, model.intermediate_size / tp)]
         self.lm_head_gemm = (model.vocab_size / tp, h)
-        self.num_dense_layers = model.num_layers - model.num_moe_layers
+        # Layers by block (hybrids: Nemotron-H's layers hold one block each): attention mixers,
+        # state (Mamba-2) mixers, dense MLPs; an all-reduce and a norm follow each block.
+        self.attention_layers = model.num_attention_layers
+        self.num_dense_layers = model.num_mlp_layers - model.num_moe_layers
+        self.num_blocks = self.attention_layers + model.num_state_layers + model.num_mlp_layers
+        self.state_mixers = [StateMixer(g, tp, model.hidden_size) for g in model.layer_groups if g.kind == "state"]
+        self._ssm_proj: dict[float, float] = {}
         self.prefill_dims = model.attention_dims(decode=False)
         self.decode_dims = model.attention_dims(decode=True)
         # Attention and all-reduce through the operator catalogue's calibrated path; the class
@@ -259,13 +267,15 @@ class LatencyModel:
         if shape.group_attention:
             self._group_attention(shape, times)
         elif shape.num_prefill_tokens:
-            times["attention_prefill"] = m.num_layers * self.attention_prefill_time(shape)
+            times["attention_prefill"] = self.attention_layers * self.attention_prefill_time(shape)
         if shape.num_prefill_tokens:  # (the whole cached prefix, as the plain model decompresses it)
             cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
             if self.mla_up_gemm and cached > 0:
-                times["mla_up_projection"] = m.num_layers * self._gemms(cached, [self.mla_up_gemm])
+                times["mla_up_projection"] = self.attention_layers * self._gemms(cached, [self.mla_up_gemm])
         if shape.num_decode_seqs and not shape.group_attention:
-            times["attention_decode"] = m.num_layers * self.attention_decode_time(shape)
+            times["attention_decode"] = self.attention_layers * self.attention_decode_time(shape)
+        if self.state_mixers:
+            self._state_layers(shape, padded, times)
         if self.pp > 1:
             times["send_recv"] = (self.pp - 1) * self.send_recv_time(padded)
         return times
@@ -285,7 +295,7 @@ class LatencyModel:
         step of `tokens` tokens: an all-reduce after each attention and each MLP under TP; under EP
         a MoE layer's routed tokens go out and back by all-to-all and its output is gathered instead."""
         m = self.model
-        qkv_o_proj = m.num_layers * self._gemms(tokens, self.attention_gemms)
+        qkv_o_proj = self.attention_layers * self._gemms(tokens, self.attention_gemms)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
                + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
         op = self.elementwise_op
@@ -295,8 +305,9 @@ class LatencyModel:
             return qkv_o_proj, mlp, 0.0, 0.0, elementwise
         activations = tokens * m.hidden_size * ACTIVATION_BYTES
         if not self.expert_parallel:
-            return qkv_o_proj, mlp, 2 * m.num_layers * self._allreduce(activations), 0.0, elementwise
-        allreduce = (m.num_layers + self.num_dense_layers) * self._allreduce(activations)
+            return qkv_o_proj, mlp, self.num_blocks * self._allreduce(activations), 0.0, elementwise
+        mixers = self.attention_layers + m.num_state_layers
+        allreduce = (mixers + self.num_dense_layers) * self._allreduce(activations)
         a2a = self.all_to_all_time
         all_to_all = m.num_moe_layers * (2 * a2a(self.moe.all_to_all_bytes(tokens)) + a2a(activations))
         return qkv_o_proj, mlp, allreduce, all_to_all, elementwise
@@ -331,6 +342,8 @@ class LatencyModel:
         prefill = decode = indexer = 0.0
         for group, kv_bytes, (keys, pairs, causal, kv, index_keys, index_pairs) in zip(
                 self.model.layer_groups, self.group_kv_bytes, shape.group_attention):
+            if group.kind in NO_ATTENTION:
+                continue
             if shape.num_prefill_tokens:
                 part = dataclasses.replace(shape, prefill_context_pairs=pairs, prefill_causal_pairs=causal,
                                            prefill_kv_tokens=kv)
@@ -351,6 +364,26 @@ class LatencyModel:
         times["attention_prefill"], times["attention_decode"] = prefill, decode
         if indexer:
             times["attention_indexer"] = indexer
+
+    def _state_layers(self, shape: BatchShape, tokens: float, times: dict) -> None:
+        """State (Mamba-2) layers: their in and out projections (calibrated GEMMs, per token count),
+        then their scan: a decode reads and writes each sequence's state (a memory-bound stream,
+        as selective_state_update is); a prefill chunk runs the chunked scan (SSD, timed at the
+        GEMM's efficiency: its work is batched matrix products, Dao and Gu 2024, section 6) and
+        writes its state."""
+        proj = self._ssm_proj.get(tokens)
+        if proj is None:
+            proj = self._ssm_proj[tokens] = sum(mixer.count * self._gemms(tokens, mixer.gemms)
+                                                for mixer in self.state_mixers)
+        scan = 0.0
+        for mixer in self.state_mixers:
+            if shape.num_decode_seqs:
+                scan += mixer.count * self.elementwise_op.time(
+                    "stream", mixer.decode_bytes(shape.num_decode_seqs), copy_work)
+            if shape.num_prefill_tokens:
+                flops, nbytes = mixer.prefill_work(shape.num_prefill_tokens, shape.num_prefill_seqs)
+                scan += mixer.count * self._op("gemm", flops, nbytes, self.attn_peak)
+        times["ssm_proj"], times["ssm_scan"] = proj, scan
 
     def swap_time(self, num_tokens: int) -> float:
         """Each rank (of every stage) moves its share of the tokens' KV over its own host link."""
@@ -414,16 +447,20 @@ class LatencyModel:
 # their norms); dense MLP: fused add+norm, gate/up GEMM, SiLU-and-mul, down GEMM; MoE: about 15
 # (router GEMM, top-k, align/permute, two grouped GEMMs, activation, sum, shared experts); plus
 # an all-reduce after each block under TP, and per step embedding, final norm, LM head, sampler.
-ATTENTION_BLOCK_KERNELS, MLA_BLOCK_KERNELS = 6, 10
+# A state (Mamba-2) block: norm, in_proj GEMM, causal conv, scan, gated norm, out_proj GEMM (my
+# reading of vllm/model_executor/layers/mamba/mamba_mixer2.py).
+ATTENTION_BLOCK_KERNELS, MLA_BLOCK_KERNELS, STATE_BLOCK_KERNELS = 6, 10, 6
 DENSE_MLP_KERNELS, MOE_KERNELS, STEP_KERNELS = 4, 15, 6
 
 
 def eager_kernels(model: ModelSpec, tp: int) -> int:
     attention = MLA_BLOCK_KERNELS if model.is_mla else ATTENTION_BLOCK_KERNELS
-    dense = model.num_layers - model.num_moe_layers
-    per_layer_all_reduce = 2 if tp > 1 else 0
-    return (STEP_KERNELS + model.num_layers * (attention + per_layer_all_reduce)
-            + dense * DENSE_MLP_KERNELS + model.num_moe_layers * MOE_KERNELS)
+    dense = model.num_mlp_layers - model.num_moe_layers
+    blocks = model.num_attention_layers + model.num_state_layers + model.num_mlp_layers
+    all_reduces = blocks if tp > 1 else 0  # one after each block
+    return (STEP_KERNELS + model.num_attention_layers * attention + all_reduces
+            + model.num_state_layers * STATE_BLOCK_KERNELS + dense * DENSE_MLP_KERNELS
+            + model.num_moe_layers * MOE_KERNELS)
 
 
 def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: float) -> list[tuple[int, float]]:
@@ -433,18 +470,20 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     rotary parts read and written), the KV-cache write (keys and values read, the cache written:
     counted as twice kv_bytes, one layer's KV per token on one rank), MLA's norms of its query and
     KV latents, and the dense layers' SiLU-and-mul (gate and up read, their product written). MoE
-    layers' own kernels are sim.latency.moe's."""
-    h, b, layers = model.hidden_size, ACTIVATION_BYTES, model.num_layers
+    layers' own kernels are sim.latency.moe's; a state layer's conv and norms sim.latency.state's.
+    Hybrids (Nemotron-H) norm once per block (mixer or MLP)."""
+    h, b, layers = model.hidden_size, ACTIVATION_BYTES, model.num_attention_layers
+    blocks = layers + model.num_state_layers + model.num_mlp_layers
     if model.is_mla:
         rope = (model.num_heads / tp + 1) * model.qk_rope_head_dim
     else:
         rope = (model.num_heads / tp + model.num_kv_heads / kv_split) * model.head_dim
-    kernels = [(2 * layers, 4.0 * h * b), (layers, 2.0 * rope * b), (layers, 2.0 * kv_bytes)]
+    kernels = [(blocks, 4.0 * h * b), (layers, 2.0 * rope * b), (layers, 2.0 * kv_bytes)]
     if model.is_mla:
         kernels.append((layers, 2.0 * model.kv_lora_rank * b))
         if model.q_lora_rank:
             kernels.append((layers, 2.0 * model.q_lora_rank * b))
-    dense = layers - model.num_moe_layers
+    dense = model.num_mlp_layers - model.num_moe_layers
     if dense:
         kernels.append((dense, 3.0 * model.intermediate_size / tp * b))
     return kernels
@@ -459,12 +498,12 @@ def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
     copy of a token's, and the shared experts')."""
     def quant(width: float) -> float:
         return width * (ACTIVATION_BYTES + 1 + 4 / 128)
-    layers, h = model.num_layers, model.hidden_size
+    layers, h = model.num_attention_layers, model.hidden_size
     out = (model.v_head_dim if model.is_mla else model.head_dim) * model.num_heads / tp
     kernels = [(layers, quant(h)), (layers, quant(out))]
     if model.is_mla and model.q_lora_rank:
         kernels.append((layers, quant(model.q_lora_rank)))
-    dense = layers - model.num_moe_layers
+    dense = model.num_mlp_layers - model.num_moe_layers
     if dense:
         kernels += [(dense, quant(h)), (dense, quant(model.intermediate_size / tp))]
     if model.num_moe_layers:

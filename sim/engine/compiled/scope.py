@@ -23,7 +23,7 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
     if spec.step_exact:
         return "step_exact=true keeps the plain loop"
     if model.is_mla or model.attention_groups or getattr(setup.pool, "layout", None) is not None:
-        return "it covers models of one full-attention kind (not MLA, window or compressed layers)"
+        return "it covers models of one full-attention kind (not MLA, window, compressed or state layers)"
     if type(allocator) is not BlockAllocator:
         return "it covers the paged and prefix allocators"
     if allocator.enable_caching and allocator.pool.eviction != "lru":
