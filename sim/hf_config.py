@@ -2,7 +2,8 @@
 
 Families: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma2, gemma3 (and its
 text_config), gemma3n, gpt_oss, llama4 (text_config), deepseek_v2, deepseek_v3, deepseek_v32,
-deepseek_v4. A field the config omits takes Transformers' default for that model type (head_dim =
+deepseek_v4, nemotron_h (Mamba-2 hybrids: hybrid_override_pattern's M, *, - and E layers; its
+Mamba-2 widths are required, never defaulted). A field the config omits takes Transformers' default for that model type (head_dim =
 hidden / heads, num_key_value_heads = heads, ...). MLA is recognised by `kv_lora_rank`. Fields that
 change neither the KV size nor the step time (norm epsilons, RoPE scaling, token ids, ...) are
 ignored; any other field the parser does not interpret is named on stderr, never guessed.
@@ -34,7 +35,9 @@ IGNORED = {
     "attention_sink_size", "sliding_window_pattern_offset", "torch_dtype", "dtype",
     "use_sliding_window", "max_window_layers", "router_jitter_noise", "rope_type", "partial_rotary_factor",
     "sliding_window_size", "cache_implementation", "initial_context_length", "compress_rope_theta",
-    "hc_eps", "hc_sinkhorn_iters",
+    "hc_eps", "hc_sinkhorn_iters", "expand", "mamba_hidden_act", "use_conv_bias", "use_bias",
+    "residual_in_fp32", "rescale_prenorm_residual", "time_step_min", "time_step_max", "time_step_floor",
+    "time_step_limit", "time_step_rank", "mamba_proj_bias", "layer_norm_epsilon",
 }
 # What each Transformers config class assumes for a field the config leaves out (read from the
 # configuration_*.py files; see tests/data/hf/SOURCES.md). A field given as null keeps null.
@@ -64,7 +67,10 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16", None: "bf16"}  # others (float3
 V4_ENTRY_BYTES, INDEXER_ENTRY_BYTES, V32_LATENT_BYTES = 584, 132, 656  # vLLM, REFERENCE.md section 8
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2", "gemma3",
             "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss", "llama4", "llama4_text", "deepseek_v2",
-            "deepseek_v3", "deepseek_v32", "deepseek_v4")
+            "deepseek_v3", "deepseek_v32", "deepseek_v4", "nemotron_h")
+# hybrid_override_pattern's layer symbols (Nemotron-H): Mamba-2 mixer, attention, MLP, MoE.
+NEMOTRON_H_LAYERS = {"M": "state", "*": "full", "-": "mlp", "E": "moe"}
+SSM_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", None: ""}
 
 
 class _Reader:
@@ -120,7 +126,8 @@ def model_fields_from_hf(values: dict, where: str) -> tuple[dict, list[str]]:
     hidden = r.need("hidden_size", where)
     fields = {
         "num_layers": r.need("num_hidden_layers", where), "hidden_size": hidden, "num_heads": heads,
-        "num_kv_heads": r.get("num_key_value_heads") or heads, "head_dim": r.get("head_dim") or hidden // heads,
+        "num_kv_heads": r.get("num_key_value_heads") or heads,
+        "head_dim": r.get("head_dim") or r.get("attention_head_dim") or hidden // heads,
         "intermediate_size": r.get("intermediate_size", 0) or 0, "vocab_size": r.need("vocab_size", where),
         "max_position_embeddings": r.get("max_position_embeddings", 0) or 0,
     }
@@ -142,7 +149,7 @@ def model_fields_from_hf(values: dict, where: str) -> tuple[dict, list[str]]:
         fields["attention"] = "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
     if family in ("deepseek_v32", "deepseek_v4") or r.get("index_topk"):
         fields["kv_dtype"] = "fp8"  # vLLM's FP8 latent layout (entry bytes given per layer group)
-    layers = _layers(r, family, fields["num_layers"], notes)
+    layers = _nemotron_h_layers(r, fields, where) if family == "nemotron_h" else _layers(r, family, fields["num_layers"], notes)
     if layers:
         fields["layers"] = layers
     fields["tie_word_embeddings"] = bool(r.get("tie_word_embeddings", False))
@@ -193,6 +200,14 @@ def _moe(r: _Reader, family: str, notes: list[str]) -> dict:
                          "the shared expert counted at moe_intermediate_size")
         if (r.get("decoder_sparse_step", 1) or 1) != 1:
             notes.append("decoder_sparse_step != 1 is not modelled: every layer counted as MoE")
+    elif family == "nemotron_h":  # MoE on the pattern's E layers only; a shared expert of k x the routed width
+        size, dense = r.get("moe_intermediate_size"), r.get("num_hidden_layers") - r.get("hybrid_override_pattern", "").count("E")
+        shared_size, shared = r.get("moe_shared_expert_intermediate_size") or 0, r.get("n_shared_experts") or 0
+        if shared and size and shared_size % size == 0:
+            shared *= shared_size // size  # (the same FLOPs and bytes as one expert of shared_size)
+        elif shared:
+            notes.append("moe_shared_expert_intermediate_size is not a multiple of moe_intermediate_size: "
+                         "the shared expert counted at moe_intermediate_size")
     elif family == "llama4":
         size, shared, dense = r.get("intermediate_size"), 1, 0
         step = r.get("interleave_moe_layer_step", 1) or 1
@@ -226,6 +241,31 @@ def _layers(r: _Reader, family: str, n: int, notes: list[str]) -> tuple[LayerGro
         size = chunk if kind == "chunked" else window if kind in ("sliding", "shared-sliding") else 0
         out.append(LayerGroup(kind.removesuffix("-sliding"), count, window=size or 0))
     return tuple(out)
+
+
+def _nemotron_h_layers(r: _Reader, fields: dict, where: str) -> tuple[LayerGroup, ...]:
+    """Nemotron-H's layers, one block each (hybrid_override_pattern: M Mamba-2, * attention, - MLP,
+    E MoE), by kind in order of first appearance; no mixer layer has an MLP. Its MLPs are squared
+    ReLU, not gated."""
+    pattern = r.need("hybrid_override_pattern", where)
+    if len(pattern) != fields["num_layers"] or set(pattern) - set(NEMOTRON_H_LAYERS):
+        raise ConfigError(f"hybrid_override_pattern in {where} must have one of M, *, -, E per layer "
+                          f"({fields['num_layers']}), fix the config.json")
+    fields["gated_mlp"] = r.get("mlp_hidden_act", "relu2") not in ("relu2", "relu")
+    dtype = r.get("mamba_ssm_cache_dtype")
+    if dtype not in SSM_DTYPES:
+        raise ConfigError(f"mamba_ssm_cache_dtype {dtype} in {where} is not float32, bfloat16 or float16, "
+                          f"fix the config.json")
+    counts: dict[str, int] = {}
+    for symbol in pattern:
+        kind = NEMOTRON_H_LAYERS[symbol]
+        counts["mlp" if kind == "moe" else kind] = counts.get("mlp" if kind == "moe" else kind, 0) + 1
+    widths = dict(ssm_heads=r.need("mamba_num_heads", where), ssm_head_dim=r.need("mamba_head_dim", where),
+                  ssm_state_size=r.need("ssm_state_size", where), ssm_groups=r.need("n_groups", where),
+                  conv_kernel=r.need("conv_kernel", where), ssm_chunk=r.need("chunk_size", where),
+                  ssm_state_dtype=SSM_DTYPES[dtype])
+    return tuple(LayerGroup(kind, count, mlp=kind == "mlp", **(widths if kind == "state" else {}))
+                 for kind, count in counts.items())
 
 
 def _layer_kinds(r: _Reader, family: str, n: int, notes: list[str]) -> list[str] | None:
@@ -295,9 +335,12 @@ def estimated_params(spec, tied_embeddings: bool) -> float:
     h = spec.hidden_size
     experts = spec.num_moe_layers * ((spec.num_experts + spec.num_shared_experts) * spec.expert_params
                                      + h * spec.num_experts)
-    dense = (spec.num_layers - spec.num_moe_layers) * spec.dense_mlp_params_per_layer
+    dense = (spec.num_mlp_layers - spec.num_moe_layers) * spec.dense_mlp_params_per_layer
     embeddings = (1 if tied_embeddings else 2) * spec.vocab_size * h
-    return embeddings + spec.num_layers * spec.attention_params_per_layer + dense + experts
+    mamba = sum(g.count * (h * (2 * g.ssm_inner + 2 * g.ssm_groups * g.ssm_state_size + g.ssm_heads)
+                           + g.ssm_inner * h + g.conv_kernel * g.conv_channels)
+                for g in spec.layer_groups if g.kind == "state")  # in_proj, out_proj, conv
+    return embeddings + spec.num_attention_layers * spec.attention_params_per_layer + dense + experts + mamba
 
 
 def model_from_hf(path: str, name: str | None = None, quiet: bool = False):

@@ -29,6 +29,8 @@ EXPECTED = {
     "deepseek_v3_2.json": ({"dsa": 61}, 671.0),
     "deepseek_v4_pro.json": ({"compressed": 61}, 1600.0),
     "deepseek_v4_flash.json": ({"sliding": 2, "compressed": 41}, 284.0),
+    "nemotron_h_8b_partial.json": ({"state": 24, "mlp": 24, "full": 4}, 8.1),  # "8B"; 8.10B by hand
+    "nemotron3_nano_30b_partial.json": ({"state": 23, "mlp": 23, "full": 6}, 31.6),  # NVIDIA's report
 }
 
 
@@ -53,6 +55,7 @@ def test_every_fixture_parses_into_its_layer_kinds(fixture):
     ("deepseek_v32", "deepseek_v3_2.json"), ("deepseek_v4_pro", "deepseek_v4_pro.json"),
     ("deepseek_v4_flash", "deepseek_v4_flash.json"), ("gemma3_27b", "gemma3_27b_it.json"),
     ("gpt_oss_120b", "gpt_oss_120b.json"), ("llama4_scout", "llama4_scout_17b_16e_instruct.json"),
+    ("nemotron_h_8b", "nemotron_h_8b_partial.json"), ("nemotron3_nano_30b", "nemotron3_nano_30b_partial.json"),
 ])
 def test_shipped_models_are_what_their_configs_say(name, fixture):
     shipped, parsed = load_model(name), model_from_hf(str(HF / fixture), quiet=True)
@@ -103,6 +106,10 @@ def test_fields_it_cannot_interpret_are_named_and_the_command_still_answers(tmp_
     (json.dumps({**LLAMA, "model_type": "rwkv"}), "model_type 'rwkv'"),
     (json.dumps({k: v for k, v in LLAMA.items() if k != "vocab_size"}), "no vocab_size"),
     (json.dumps({**LLAMA, "layer_types": ["linear_attention"] * 32}), "linear_attention"),
+    (json.dumps({k: v for k, v in json.loads((HF / "nemotron_h_8b_partial.json").read_text()).items()
+                 if k != "ssm_state_size"}), "no ssm_state_size"),  # a Mamba-2 width is never guessed
+    (json.dumps({**json.loads((HF / "nemotron_h_8b_partial.json").read_text()), "hybrid_override_pattern": "M*"}),
+     "hybrid_override_pattern"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "config.json"

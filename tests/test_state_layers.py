@@ -34,8 +34,9 @@ def padding_percent(model, kv_dtype=None):
     """vLLM's log line: 'Padding mamba page size by X% to ensure that mamba page size and attention
     page size are exactly equal.'"""
     block = model.engine_block_size(16, kv_dtype)
-    state = model.entry_bytes(model.layer_groups[0])
-    page = block * model.entry_bytes(model.layer_groups[1], kv_dtype)
+    by_kind = {g.kind: g for g in model.layer_groups}
+    state = model.entry_bytes(by_kind["state"])
+    page = block * model.entry_bytes(by_kind["full"], kv_dtype)
     return round(100 * (page - state) / state, 2)
 
 
