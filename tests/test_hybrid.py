@@ -301,3 +301,32 @@ def test_shared_layers_read_their_sources_reach():
             LayerGroup("sliding", 1, window=512) if group.window else LayerGroup("full", 1), 3000, 100)
     usage = {u.kind: u for u in model.kv_usage(4000)}
     assert usage["shared"].allocated_bytes == 0
+
+
+def decode_flops_per_token(name, context):
+    """One decode token's FLOPs at `context` through the time model's own work: each layer group's
+    attention over what it reads (decode_reach), its indexer over every key it scores, the linear
+    layers (2 x active parameters) and the LM head."""
+    from sim.kv_layout import NO_ATTENTION, indexer_keys
+    from sim.latency.operators import attention_decode_work
+    model = load_model(name)
+    qk, v = model.attention_dims(decode=True)
+    total = 2.0 * model.active_linear_params_per_token + 2.0 * model.hidden_size * model.vocab_size
+    for group in model.layer_groups:
+        if group.kind in NO_ATTENTION:
+            continue
+        total += group.count * attention_decode_work(1, decode_reach(group, context), model.num_heads, qk, v, 0)[0]
+        if group.indexer_heads:
+            total += group.count * 2.0 * group.indexer_heads * group.indexer_head_dim * indexer_keys(group, context)
+    return total
+
+
+def test_deepseek_v4_decode_flops_at_1m_against_deepseeks_published_share():
+    # DeepSeek-V4's model card (REFERENCE.md section 8): at 1M tokens V4-Pro needs 27% of V3.2's
+    # single-token inference FLOPs, V4-Flash 10%. kvsim's time model gives 0.30 and 0.13: the
+    # indexer over every key dominates V3.2 (about 1 TFLOP a token), as it should.
+    v32 = decode_flops_per_token("deepseek_v32", 1_000_000)
+    assert decode_flops_per_token("deepseek_v4_pro", 1_000_000) / v32 == pytest.approx(0.27, abs=0.04)
+    assert decode_flops_per_token("deepseek_v4_flash", 1_000_000) / v32 == pytest.approx(0.10, abs=0.04)
+    # at 8K tokens the indexer matters little: the compressed layers' saving is mostly gone
+    assert decode_flops_per_token("deepseek_v4_pro", 8192) / decode_flops_per_token("deepseek_v32", 8192) > 0.8

@@ -157,3 +157,13 @@ def test_the_calculator_prices_states_at_the_raised_block_and_says_so():
     assert state["padding_bytes"] == 8 * 24 * (528 * 4096 - 2_158_592)  # each state page padded to 528 tokens
     # 4,096 tokens in 528-token blocks: 8 blocks of 4 layers, per sequence
     assert report["kv_cache_bytes"] == 8 * (24 * 528 * 4096 + 4 * 8 * 528 * 4096)
+
+
+def test_step_exact_and_the_default_loop_agree_on_a_state_model():
+    def metrics(step_exact):
+        cfg = compose_config("run", ["model=nemotron_h_8b", "gpu=h100", "tensor_parallel_size=1", "allocators=[paged]",
+                                     "scenario=sharegpt", "scenario.max_requests=80", "max_model_len=8192",
+                                     "cluster.num_replicas=1", "measure.warmup_s=0", f"step_exact={step_exact}"])
+        (result,) = run_all(cfg)
+        return {k: v for k, v in result.metrics.items() if k not in ("wall_time_s", "engine")}
+    assert metrics("false") == metrics("true")
