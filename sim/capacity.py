@@ -57,9 +57,9 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
         pool = float(kv_cache_memory_bytes) * tp * pp
     else:
         pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
-    block_size = model.engine_block_size(block_size, kv_dtype)  # (raised for state layers)
+    block_size = model.engine_block_size(block_size, kv_dtype, tp)  # (raised for state layers)
     layout = hybrid_layout(model.layer_groups, [model.entry_bytes(g, kv_dtype) for g in model.layer_groups],
-                           block_size, scale)
+                           block_size, scale, model.kv_replication(tp))
     if layout is None:
         bytes_per_token = model.kv_bytes_per_token(kv_dtype) * scale
         one_sequence = max_model_len * bytes_per_token

@@ -90,7 +90,8 @@ class LayerGroup:
             raise ConfigError(f"state layers need state_bytes > 0 or their Mamba-2 widths (ssm_heads, "
                               f"ssm_head_dim, ssm_state_size), {where}, set them")
         if self.ssm_state_dtype not in ("", "bf16", "fp16", "fp32"):
-            raise ConfigError(f"ssm_state_dtype '{self.ssm_state_dtype}' is not bf16, fp16 or fp32, {where}")
+            raise ConfigError(f"ssm_state_dtype '{self.ssm_state_dtype}' is unknown, {where}, "
+                              f"key ssm_state_dtype, use bf16, fp16 or fp32 (or leave it out: the model's dtype)")
 
     @property
     def has_mixer_widths(self) -> bool:
@@ -106,15 +107,21 @@ class LayerGroup:
         """Channels of the causal conv: x, B and C (vLLM's conv_dim)."""
         return self.ssm_inner + 2 * self.ssm_groups * self.ssm_state_size
 
-    def mamba_state_bytes(self, activation_bytes: int = 2) -> float:
-        """One sequence's state in one state layer: given, or vLLM's mamba2_state_shape, the conv
-        state (conv_kernel - 1) x conv channels in the activations' dtype and the SSM state
-        heads x head_dim x N in ssm_state_dtype."""
+    def groups_per_rank(self, tp: int) -> float:
+        """B/C groups on one rank: split when they divide by the TP size, else (one group) on every
+        rank, as vLLM pads n_groups for its head shards."""
+        return self.ssm_groups / tp if self.ssm_groups % tp == 0 else self.ssm_groups
+
+    def mamba_state_bytes(self, tp: int = 1, activation_bytes: int = 2) -> float:
+        """One sequence's state in one state layer on one of tp ranks: given (split evenly), or
+        vLLM's mamba2_state_shape, the conv state (conv_kernel - 1) x conv channels in the
+        activations' dtype and the SSM state heads x head_dim x N in ssm_state_dtype."""
         if self.state_bytes:
-            return float(self.state_bytes)
+            return self.state_bytes / tp
         ssm_bytes = {"": activation_bytes, "bf16": 2, "fp16": 2, "fp32": 4}[self.ssm_state_dtype]
-        return float((self.conv_kernel - 1) * self.conv_channels * activation_bytes
-                     + self.ssm_heads * self.ssm_head_dim * self.ssm_state_size * ssm_bytes)
+        inner = self.ssm_inner / tp
+        conv = inner + 2 * self.groups_per_rank(tp) * self.ssm_state_size
+        return float((self.conv_kernel - 1) * conv * activation_bytes + inner * self.ssm_state_size * ssm_bytes)
 
 
 def layer_group(values: dict, where: str) -> LayerGroup:
@@ -181,12 +188,14 @@ def _aligned(nbytes: float, align: int) -> float:
     return math.ceil(nbytes / align) * align if align > 1 else nbytes
 
 
-def state_block_size(groups, entry_bytes: list[float], block_size: int) -> int:
+def state_block_size(groups, entry_bytes: list[float], block_size: int, kv_replication: float = 1.0) -> int:
     """The attention block size vLLM runs a model with state layers at: block_size, or 16 x
     ceil(largest state / (16 x one token's attention page)) tokens where that is larger, so that
-    one attention page holds a state (HybridAttentionMambaModelConfig); block_size otherwise."""
+    one attention page holds a state (HybridAttentionMambaModelConfig); block_size otherwise.
+    vLLM compares them on one rank: a state splits across the TP group, KV heads only down to
+    one a rank (kv_replication: the copies a TP group keeps of each token's KV)."""
     states = [nbytes for g, nbytes in zip(groups, entry_bytes) if g.kind == "state"]
-    token_page = attention_token_page(groups, entry_bytes)
+    token_page = attention_token_page(groups, entry_bytes) * kv_replication
     if not states or not token_page:
         return block_size
     return max(block_size, 16 * math.ceil(max(states) / (16 * token_page)))
@@ -201,8 +210,9 @@ def attention_token_page(groups, entry_bytes: list[float]) -> float:
 def kind_usage(group: LayerGroup, entry_bytes: float, tokens: int, batch: int, block_size: int,
                padded_layers: int, state_page: float = 0.0) -> KindUsage:
     """`padded_layers` >= count: the layers whose pages the engine allocates (group padding);
-    a state layer's `entry_bytes` is its state, held in a page of `state_page` bytes (vLLM pads
-    it to the attention page; 0: the state itself)."""
+    a state layer's `entry_bytes` is its state in one copy of the cache (the whole state over the
+    copies a TP group keeps of the KV: states are split, never copied), held in a page of
+    `state_page` bytes (vLLM pads it to the attention page; 0: the state itself)."""
     layers, n = group.count, batch * group.count
     entries = stored_entries(group, tokens)
     stored = n * entries * entry_bytes
@@ -404,11 +414,12 @@ class HybridLayout:
 
 
 def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], block_size: int,
-                  scale: float = 1.0) -> HybridLayout | None:
+                  scale: float = 1.0, kv_replication: float = 1.0) -> HybridLayout | None:
     """The layout of a model with sliding, chunked, compressed or state layers (None otherwise);
     entry bytes per group (a state layer's: its state), `scale` the copies a replica keeps (TP
-    replication, the PP stage factor). block_size is the attention's, raised already for state
-    layers (state_block_size): a state page is padded to an attention page."""
+    replication, the PP stage factor), kv_replication the TP part of it (states are split, not
+    copied). block_size is the attention's, raised already for state layers (state_block_size):
+    a state page is padded to an attention page."""
     if not any(g.kind in WINDOWED or g.kind in ("compressed", "state") for g in groups):
         return None
     token_page = attention_token_page(groups, entry_bytes)
@@ -428,7 +439,7 @@ def hybrid_layout(groups: tuple[LayerGroup, ...], entry_bytes: list[float], bloc
         tokens, entry = g.block_tokens or block_size, entry_bytes[i] + g.indexer_entry_bytes
         page = size * _aligned(tokens * entry, g.page_align) * scale
         kinds.append(PageKind(g, False, g.window if g.kind in WINDOWED else 0, layers // size, tokens,
-                              states.get(i, entry) * scale, page, i))  # (a state page: its state's bytes)
+                              states[i] * scale / kv_replication if i in states else entry * scale, page, i))
     for i, g in enumerate(groups):
         if g.kind != "compressed":
             continue

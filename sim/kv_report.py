@@ -24,8 +24,8 @@ def kv_report(model: ModelSpec, tokens: int, batch: int, block_size: int, tensor
     """What `python -m sim kv` prints: kv_bytes_per_token is what is stored per token of context
     at `tokens` (before block padding; the per-token slope at tokens=0), kv_cache_bytes what the
     engine allocates for `batch` sequences (whole blocks, padding layers and pages included)."""
-    usage = model.kv_usage(tokens, batch, block_size, kv_dtype)
-    engine_block = model.engine_block_size(block_size, kv_dtype)
+    usage = model.kv_usage(tokens, batch, block_size, kv_dtype, tensor_parallel_size)
+    engine_block = model.engine_block_size(block_size, kv_dtype, tensor_parallel_size)
     stored = sum(u.stored_bytes + u.indexer_bytes + u.window_bytes + u.state_bytes for u in usage)
     allocated = sum(u.allocated_bytes for u in usage)
     per_token = stored / (tokens * batch) if tokens else model.kv_bytes_per_token(kv_dtype)

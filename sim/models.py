@@ -136,18 +136,20 @@ class ModelSpec:
             return (self.kv_lora_rank + self.qk_rope_head_dim) * s  # one latent (pooled, if compressed)
         return 2 * self.num_kv_heads * self.head_dim * s  # K and V of every KV head
 
-    def engine_block_size(self, block_size: int, kv_dtype: str | None = None) -> int:
+    def engine_block_size(self, block_size: int, kv_dtype: str | None = None, tensor_parallel_size: int = 1) -> int:
         """The attention block size vLLM runs: block_size, raised for state layers so that one
-        attention page holds a state (sim.kv_layout.state_block_size)."""
+        attention page holds a state on one rank (sim.kv_layout.state_block_size)."""
         return state_block_size(self.layer_groups, [self.entry_bytes(g, kv_dtype) for g in self.layer_groups],
-                                block_size)
+                                block_size, self.kv_replication(tensor_parallel_size))
 
     def kv_usage(self, tokens: int, batch: int = 1, block_size: int = 16,
-                 kv_dtype: str | None = None) -> list[KindUsage]:
-        """Each layer group's KV for `batch` sequences of `tokens` tokens (sim.kv_layout)."""
+                 kv_dtype: str | None = None, tensor_parallel_size: int = 1) -> list[KindUsage]:
+        """Each layer group's KV for `batch` sequences of `tokens` tokens (sim.kv_layout), in one
+        copy of the cache (a TP group keeps kv_replication copies; a state counts its share)."""
         groups = self.layer_groups
-        entries = [self.entry_bytes(g, kv_dtype) for g in groups]
-        block_size = self.engine_block_size(block_size, kv_dtype)
+        copies = self.kv_replication(tensor_parallel_size)
+        entries = [self.entry_bytes(g, kv_dtype) / (copies if g.kind == "state" else 1) for g in groups]
+        block_size = self.engine_block_size(block_size, kv_dtype, tensor_parallel_size)
         token_page = attention_token_page(groups, entries)  # state pages pad to block_size of it
         sizes = [token_page if g.kind == "state" else e + g.indexer_entry_bytes for g, e in zip(groups, entries)]
         padded = padded_layer_counts(groups, sizes)

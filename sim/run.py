@@ -131,11 +131,19 @@ def _instantiate(cfg, where: str, **kwargs):
 
 
 def check_tensor_parallel(model, tensor_parallel_size: int, key: str) -> None:
-    """A TP group splits the query heads evenly (vLLM refuses a size that does not divide them)."""
+    """A TP group splits the query heads evenly (vLLM refuses a size that does not divide them), and
+    a Mamba-2 layer's heads, and its groups unless there is one (vLLM's MambaMixer2 asserts both)."""
+    def refuse(what: str, fits) -> None:
+        divisors = [n for n in (1, 2, 4, 8, 16) if fits(n)]
+        raise ConfigError(f"{key}={tensor_parallel_size}: a TP group must split {model.name}'s {what} evenly, "
+                          f"key {key}, use one of {', '.join(map(str, divisors))}")
     if tensor_parallel_size < 1 or model.num_heads % tensor_parallel_size:
-        divisors = [n for n in (1, 2, 4, 8, 16) if model.num_heads % n == 0]
-        raise ConfigError(f"{key}={tensor_parallel_size}: a TP group must split {model.name}'s {model.num_heads} "
-                          f"attention heads evenly, key {key}, use one of {', '.join(map(str, divisors))}")
+        refuse(f"{model.num_heads} attention heads", lambda n: model.num_heads % n == 0)
+    for g in model.layer_groups:
+        if g.kind == "state" and g.has_mixer_widths and (
+                g.ssm_heads % tensor_parallel_size or (g.ssm_groups > 1 and g.ssm_groups % tensor_parallel_size)):
+            refuse(f"{g.ssm_heads} Mamba-2 heads and {g.ssm_groups} groups",
+                   lambda n: g.ssm_heads % n == 0 and (g.ssm_groups == 1 or g.ssm_groups % n == 0))
 
 
 def prepare(cfg: DictConfig) -> Setup:
@@ -160,9 +168,6 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                         pipeline_parallel_size=spec.pipeline_parallel_size)
-    if pool.block_size != spec.block_size:  # vLLM raises it the same way, and logs it
-        print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
-              f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
@@ -194,6 +199,9 @@ def prepare(cfg: DictConfig) -> Setup:
     largest = max(state_bytes, key=state_bytes.get)  # allocators run one after another
     check_host_memory(largest, state_bytes[largest], spec.num_replicas)
     check_tier_memory(spec, pool)
+    if pool.block_size != spec.block_size:  # (said once the set-up is valid) vLLM raises it the same way, and logs it
+        print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
+              f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
 
 

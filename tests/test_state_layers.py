@@ -167,3 +167,38 @@ def test_step_exact_and_the_default_loop_agree_on_a_state_model():
         (result,) = run_all(cfg)
         return {k: v for k, v in result.metrics.items() if k not in ("wall_time_s", "engine")}
     assert metrics("false") == metrics("true")
+
+
+def test_beyond_one_kv_head_a_rank_states_split_and_kv_is_copied_as_vllm_sizes_them():
+    from sim.kv_report import kv_report
+    nano = load_model("nemotron3_nano_30b")  # 2 KV heads: TP 4 keeps one per rank, copied twice
+    # vLLM compares one rank's state (2,134,016 / 4 B) with one rank's token page (1 head x 128 x 2 x 2 B)
+    assert [nano.engine_block_size(16, None, tp) for tp in (1, 2, 4, 8)] == [2096, 2096, 1056, 528]
+    report = kv_report(nano, 8192, 16, 16, 4, "bf16")
+    # per rank: 6 attention layers x 8 blocks of 1,056 tokens x 512 B, and 23 states in 4 groups of 6
+    # (24 pages, one padding layer) of 1,056 x 512 B each, for 16 sequences, on 4 ranks
+    per_rank = 16 * (6 * 8 * 1056 * 512 + 24 * 1056 * 512)
+    assert report["kv_cache_bytes_stored_across_tp"] == 4 * per_rank
+    pool = size_kv_pool(nano, load_profile("h100"), tensor_parallel_size=4, kv_dtype="bf16", block_size=16,
+                        max_model_len=8192, gpu_memory_utilization=0.9, activation_reserve_bytes=0,
+                        kv_cache_memory_bytes=None)
+    state = next(k for k in pool.layout.page_kinds if k.per_sequence)
+    assert pool.block_size == 1056 and state.entry_bytes == 2_134_016  # the whole state, not copied
+    assert state.page_bytes == 6 * 1056 * 512 * 4  # a group's page on every rank
+
+
+def test_a_tp_size_that_splits_no_mamba_groups_is_refused_as_vllm_refuses_it():
+    from sim.errors import ConfigError
+    from sim.run import prepare
+    cfg = compose_config("run", ["model=nemotron_h_8b", "gpu=h100", "tensor_parallel_size=16", "allocators=[paged]",
+                                 "max_model_len=8192"])
+    with pytest.raises(ConfigError, match="128 Mamba-2 heads and 8 groups evenly.*use one of 1, 2, 4, 8$"):
+        prepare(cfg)
+
+
+def test_a_decode_runs_three_kernels_a_state_layer():
+    model = load_model("nemotron_h_8b")
+    latency = LatencyModel(model, load_profile("h100"), 1, "bf16")
+    one = decode_step(latency, model, 1, 100)["ssm_scan"]
+    t0 = load_profile("h100").op("elementwise").t0_s
+    assert one >= 24 * 3 * t0  # each kernel's fixed cost, in each of the 24 layers

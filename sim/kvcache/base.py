@@ -22,11 +22,12 @@ NO_HIT = PrefixHit(0)
 
 
 def refuse_hybrid_layout(pool, allocator: str) -> None:
-    """Only the paged allocator (sim.kvcache.hybrid) takes a model with window or chunk layers."""
+    """Only the paged allocator (sim.kvcache.hybrid) takes a model with window, chunk, compressed
+    or state layers."""
     if getattr(pool, "layout", None) is not None:
         from sim.errors import ConfigError
-        raise ConfigError(f"the {allocator} allocator does not take a model with window, chunk or compressed layers "
-                          f"yet, key allocators, use allocators=[paged]")
+        raise ConfigError(f"the {allocator} allocator does not take a model with window, chunk, compressed or state "
+                          f"layers yet, key allocators, use allocators=[paged]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,8 @@ class HybridPrefixAllocator(PlannedStepByStep):
                               f"use pools=shared or the paged allocator")
         if any(kind.per_sequence for kind in layout.page_kinds):
             raise ConfigError("prefix caching over state (Mamba) layers is not modelled (vLLM 0.10 turns it off for "
-                              "these models), key allocators, use paged")
+                              "these models; later releases keep a state per cached block, experimentally), "
+                              "key allocators, use paged")
         if any(kind.pooled for kind in layout.page_kinds) or not layout.equal_pages:
             from sim.kvcache.sized_pages import SizedPrefixAllocator
             return SizedPrefixAllocator.from_pool(pool, eviction, pools)

@@ -120,7 +120,7 @@ class LatencyModel:
             model.kv_elements_per_token_per_layer * DTYPE_BYTES[kv_dtype] / kv_split)
         # Per layer group (models whose groups read different parts of the context): bytes of one
         # entry on one rank (a shared group reads its source's, the first storing group's).
-        source = next((g for g in model.layer_groups if g.kind not in ("shared", "state")), None)
+        source = next((g for g in model.layer_groups if g.kind != "shared" and g.kind not in NO_ATTENTION), None)
         self.group_kv_bytes = [model.entry_bytes(source if g.kind == "shared" and source else g, kv_dtype) / kv_split
                                for g in model.layer_groups]
         # Whole-cache bytes per token on one rank (CLA layers share, MLA is replicated).
@@ -367,22 +367,24 @@ class LatencyModel:
 
     def _state_layers(self, shape: BatchShape, tokens: float, times: dict) -> None:
         """State (Mamba-2) layers: their in and out projections (calibrated GEMMs, per token count),
-        then their scan: a decode reads and writes each sequence's state (a memory-bound stream,
-        as selective_state_update is); a prefill chunk runs the chunked scan (SSD, timed at the
-        GEMM's efficiency: its work is batched matrix products, Dao and Gu 2024, section 6) and
-        writes its state."""
+        then their kernels (sim.latency.state): a decode's conv update, state update and gated norm,
+        memory-bound streams (selective_state_update reads and writes each sequence's state); a
+        prefill's conv and norm, and the chunked scan (SSD, timed at the GEMM's efficiency: its work
+        is batched matrix products, Dao and Gu 2024, section 6)."""
         proj = self._ssm_proj.get(tokens)
         if proj is None:
             proj = self._ssm_proj[tokens] = sum(mixer.count * self._gemms(tokens, mixer.gemms)
                                                 for mixer in self.state_mixers)
-        scan = 0.0
+        stream, scan = self.elementwise_op.time, 0.0
         for mixer in self.state_mixers:
+            kernels = 0.0
             if shape.num_decode_seqs:
-                scan += mixer.count * self.elementwise_op.time(
-                    "stream", mixer.decode_bytes(shape.num_decode_seqs), copy_work)
+                kernels += sum(stream("stream", nbytes, copy_work) for nbytes in mixer.decode_kernels(shape.num_decode_seqs))
             if shape.num_prefill_tokens:
-                flops, nbytes = mixer.prefill_work(shape.num_prefill_tokens, shape.num_prefill_seqs)
-                scan += mixer.count * self._op("gemm", flops, nbytes, self.attn_peak)
+                flops, nbytes = mixer.prefill_scan(shape.num_prefill_tokens, shape.num_prefill_seqs)
+                kernels += self._op("gemm", flops, nbytes, self.attn_peak) + sum(
+                    stream("stream", nbytes, copy_work) for nbytes in mixer.prefill_stream_kernels(shape.num_prefill_tokens))
+            scan += mixer.count * kernels
         times["ssm_proj"], times["ssm_scan"] = proj, scan
 
     def swap_time(self, num_tokens: int) -> float:

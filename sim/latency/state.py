@@ -3,15 +3,19 @@
     in_proj   hidden -> 2 x inner + 2 x groups x N + heads   (z, x, B, C, dt), a GEMM
     conv1d    causal conv of kernel K over x, B and C          (conv channels = inner + 2 groups N)
     scan      decode: selective_state_update reads and writes each sequence's state;
-              prefill: the chunked scan (SSD) over chunks of Q tokens
+              prefill: the chunked scan (SSD) over blocks of Q = ssm_chunk tokens
     norm      gated RMSNorm of the scan's output by z
     out_proj  inner -> hidden, a GEMM
 
-TP splits the heads (and the groups, when they divide evenly; else every rank keeps them all, as
-vLLM replicates them). SSD's FLOPs per token and head (Dao and Gu, "Transformers are SSMs",
-2024, section 6, arXiv 2405.21060): within a chunk, C B^T over the group's N and its product with
-x over P (2 Q N per group and 2 Q P per head), the chunk's state B^T x and the output from the
-states (2 N P each); the conv 2 K per channel.
+TP splits the heads (and the groups when they divide evenly; one group is kept on every rank, as
+vLLM pads n_groups for its head shards; sim.run refuses what vLLM's MambaMixer2 refuses). SSD's
+FLOPs per token (Dao and Gu, "Transformers are SSMs", 2024, section 6, arXiv 2405.21060): within
+a block of Q tokens, C B^T over the group's N and its product with x over P (2 Q N per group and
+2 Q P per head), the block's state B^T x and the output from the states (2 N P per head each);
+the conv 2 K per channel. Its traffic: the activations read and written, each block's
+intermediate state (heads x P x N in FP32: written by the block-state kernel, read and rewritten
+by state passing, read by the block scan), and each sequence's state read and written (a first
+chunk reads a zero state all the same: a small overcount).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 from sim.kv_layout import LayerGroup
 from sim.latency.operators import ACTIVATION_BYTES
+
+FP32_BYTES = 4  # SSD's intermediate block states
 
 
 @dataclass(frozen=True)
@@ -36,17 +42,12 @@ class StateMixer:
         return self.group.ssm_heads / self.tp
 
     @property
-    def groups(self) -> float:
-        g = self.group.ssm_groups
-        return g / self.tp if g % self.tp == 0 else g
-
-    @property
     def inner(self) -> float:
         return self.heads * self.group.ssm_head_dim
 
     @property
     def conv_channels(self) -> float:
-        return self.inner + 2 * self.groups * self.group.ssm_state_size
+        return self.inner + 2 * self.group.groups_per_rank(self.tp) * self.group.ssm_state_size
 
     @property
     def gemms(self) -> list[tuple[float, float]]:
@@ -55,27 +56,38 @@ class StateMixer:
 
     @property
     def state_bytes(self) -> float:
-        """One sequence's state on one rank (the rank's share of LayerGroup.mamba_state_bytes)."""
-        g = self.group
-        ssm = {"": ACTIVATION_BYTES, "bf16": 2, "fp16": 2, "fp32": 4}[g.ssm_state_dtype]
-        return ((g.conv_kernel - 1) * self.conv_channels * ACTIVATION_BYTES
-                + self.inner * g.ssm_state_size * ssm)
+        """One sequence's state on one rank (LayerGroup.mamba_state_bytes)."""
+        return self.group.mamba_state_bytes(self.tp)
 
-    def _stream_bytes(self, tokens: float) -> float:
-        """Activations per token through conv and norm: x, B, C read and written by the conv,
-        z and the scan's output read by the norm, its output written."""
-        return tokens * (2 * self.conv_channels + 3 * self.inner) * ACTIVATION_BYTES
+    @property
+    def conv_state_bytes(self) -> float:
+        return (self.group.conv_kernel - 1) * self.conv_channels * ACTIVATION_BYTES
 
-    def decode_bytes(self, num_seqs: float) -> float:
-        """A decode step of num_seqs sequences: each state read and written, and the activations."""
-        return num_seqs * 2 * self.state_bytes + self._stream_bytes(num_seqs)
+    def decode_kernels(self, num_seqs: float) -> list[float]:
+        """Bytes of each of a decode step's three kernels over num_seqs sequences: the conv update
+        (its state read and written, x, B and C read and written), the state update (the SSM state
+        read and written; x, dt, B, C read, y written) and the gated norm (y and z read, its output
+        written)."""
+        conv = self.conv_state_bytes
+        ssm = self.state_bytes - conv
+        scan_io = (self.conv_channels + self.heads + self.inner) * ACTIVATION_BYTES
+        return [num_seqs * (2 * conv + 2 * self.conv_channels * ACTIVATION_BYTES),
+                num_seqs * (2 * ssm + scan_io),
+                num_seqs * 3 * self.inner * ACTIVATION_BYTES]
 
-    def prefill_work(self, tokens: float, chunks: float) -> tuple[float, float]:
-        """(FLOPs, bytes) of prefill chunks of `tokens` tokens in all: SSD over chunks of at most
-        ssm_chunk tokens, the conv, and each chunk's state read and written."""
+    def prefill_stream_kernels(self, tokens: float) -> list[float]:
+        """Bytes of a prefill's conv and gated norm over `tokens` tokens."""
+        return [tokens * 2 * self.conv_channels * ACTIVATION_BYTES, tokens * 3 * self.inner * ACTIVATION_BYTES]
+
+    def prefill_scan(self, tokens: float, chunks: float) -> tuple[float, float]:
+        """(FLOPs, bytes) of SSD over prefill chunks of `tokens` tokens in all (`chunks` of them, one
+        per sequence), in blocks of at most ssm_chunk tokens."""
         g = self.group
         q = min(g.ssm_chunk, tokens / max(chunks, 1))
         n, p = g.ssm_state_size, g.ssm_head_dim
-        per_token = (2 * q * (n * self.groups + p * self.heads) + 4 * n * p * self.heads
-                     + 2 * g.conv_kernel * self.conv_channels)
-        return tokens * per_token, self._stream_bytes(tokens) + chunks * 2 * self.state_bytes
+        groups = g.groups_per_rank(self.tp)
+        flops = tokens * (2 * q * (n * groups + p * self.heads) + 4 * n * p * self.heads
+                          + 2 * g.conv_kernel * self.conv_channels)
+        io = tokens * (self.conv_channels + self.heads + self.inner) * ACTIVATION_BYTES
+        block_states = tokens / q * 4 * self.inner * n * FP32_BYTES
+        return flops, io + block_states + chunks * 2 * self.state_bytes
