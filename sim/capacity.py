@@ -36,6 +36,20 @@ class KvPool:
         return self.num_blocks * self.block_size
 
     @property
+    def context_tokens(self) -> int:
+        """Tokens of context the pool holds, as vLLM logs its 'GPU KV cache size': blocks over
+        KV-cache groups x block size (every group takes a block per block_size tokens, a state
+        group one per sequence counted alike); pages of several sizes: the pool over each group's
+        bytes per token. Without a hybrid layout, num_slots."""
+        if self.layout is None:
+            return self.num_slots
+        groups = self.layout.cache_groups()
+        if self.layout.equal_pages:
+            return self.num_blocks // len(groups) * self.block_size
+        return int(self.pool_bytes // sum(kind.page_bytes / kind.tokens_per_page
+                                          for kind, _ in groups))
+
+    @property
     def num_token_slots(self) -> int:
         """Slots when memory is one linear address space (contiguous allocators)."""
         return int(self.pool_bytes // self.bytes_per_token)

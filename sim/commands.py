@@ -137,7 +137,7 @@ def capacity_task(cfg: DictConfig) -> None:
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     title = run_title(cfg, HydraConfig.get(), replicas="searched" if spec.search == "replicas" else None)
-    slots = setup.pool.num_slots
+    slots = setup.pool.context_tokens
     print(f"{title}\nkv pool per replica: {setup.pool.pool_bytes / GiB:.1f} GiB, {slots:,} token slots "
           f"(paged; contiguous: {setup.pool.num_token_slots:,})", file=sys.stderr)
     results, rows = {}, []

@@ -213,6 +213,12 @@ class ModelSpec:
             return q + kv + self.num_heads * self.v_head_dim * h
         return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
 
+    @property
+    def mlp_activation_widths(self) -> int:
+        """Intermediate widths the MLP's activation kernel reads and writes per token: gate and up
+        read, their product written (SiLU-and-mul), or up read and written (squared ReLU, GELU)."""
+        return 3 if self.gated_mlp else 2
+
     def _mlp_params(self, intermediate: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden_size * intermediate
 

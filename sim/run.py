@@ -307,7 +307,7 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
     metrics, requests, timeline = summarize_run(setup, workload, recorder, time.perf_counter() - started)
     # Token slots: the allocator's (contiguous: the pool's bytes over a token's; paged: blocks x
     # block size); a hybrid layout's pages hold different kinds: its smallest page's tokens.
-    slots = setup.pool.num_slots if setup.pool.layout is not None else allocators[0].capacity
+    slots = setup.pool.context_tokens if setup.pool.layout is not None else allocators[0].capacity
     if chains:
         metrics["kv_tiers"] = tier_facts(chains, setup.pool, sum(r.kv_load_wait_s for r in cluster.replicas))
     metrics["engine"] = {"loop": "python", "why": why_python,

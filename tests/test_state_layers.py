@@ -202,3 +202,24 @@ def test_a_decode_runs_three_kernels_a_state_layer():
     one = decode_step(latency, model, 1, 100)["ssm_scan"]
     t0 = load_profile("h100").op("elementwise").t0_s
     assert one >= 24 * 3 * t0  # each kernel's fixed cost, in each of the 24 layers
+
+
+def test_a_plain_activation_moves_two_intermediate_widths_a_gated_one_three():
+    from sim.latency.model import elementwise_kernels
+    relu2 = load_model("nemotron_h_8b")  # squared ReLU: up read, its activation written
+    gated = dataclasses.replace(relu2, gated_mlp=True)
+    last = {m.gated_mlp: elementwise_kernels(m, 1, 1, 0.0)[-1] for m in (relu2, gated)}
+    assert last[False] == (24, 2.0 * 21504 * 2) and last[True] == (24, 3.0 * 21504 * 2)
+
+
+def test_the_pool_reports_context_tokens_as_vllm_logs_its_kv_cache_size():
+    # vLLM's "GPU KV cache size: N tokens" for a hybrid: blocks // KV-cache groups x block size
+    nemotron = size_kv_pool(load_model("nemotron_h_8b"), load_profile("h100"), tensor_parallel_size=1,
+                            kv_dtype="bf16", block_size=16, max_model_len=8192, gpu_memory_utilization=0.9,
+                            activation_reserve_bytes=0, kv_cache_memory_bytes=None)
+    assert len(nemotron.layout.cache_groups()) == 7  # 1 attention group + 6 state groups of 4 layers
+    assert nemotron.context_tokens == nemotron.num_blocks // 7 * 528 < nemotron.num_slots
+    plain = size_kv_pool(load_model("llama3_8b"), load_profile("h100"), tensor_parallel_size=1, kv_dtype="bf16",
+                         block_size=16, max_model_len=8192, gpu_memory_utilization=0.9, activation_reserve_bytes=0,
+                         kv_cache_memory_bytes=None)
+    assert plain.context_tokens == plain.num_slots

@@ -471,7 +471,8 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     the activations and the residual read and written), the rotary embedding (queries' and keys'
     rotary parts read and written), the KV-cache write (keys and values read, the cache written:
     counted as twice kv_bytes, one layer's KV per token on one rank), MLA's norms of its query and
-    KV latents, and the dense layers' SiLU-and-mul (gate and up read, their product written). MoE
+    KV latents, and the dense layers' activation (SiLU-and-mul: gate and up read, their product
+    written; a plain activation: up read and written, ModelSpec.mlp_activation_widths). MoE
     layers' own kernels are sim.latency.moe's; a state layer's conv and norms sim.latency.state's.
     Hybrids (Nemotron-H) norm once per block (mixer or MLP)."""
     h, b, layers = model.hidden_size, ACTIVATION_BYTES, model.num_attention_layers
@@ -487,7 +488,7 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
             kernels.append((layers, 2.0 * model.q_lora_rank * b))
     dense = model.num_mlp_layers - model.num_moe_layers
     if dense:
-        kernels.append((dense, 3.0 * model.intermediate_size / tp * b))
+        kernels.append((dense, float(model.mlp_activation_widths) * model.intermediate_size / tp * b))
     return kernels
 
 

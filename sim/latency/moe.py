@@ -58,6 +58,6 @@ class MoeLayer:
         shared = sum(gemm(tokens, n, kk, self.dtype) for n, kk in self.shared_gemms)
         routing = (self.memory_time(tokens * m.num_experts * 4 + tokens * k * 2 * INDEX_BYTES)  # top-k
                    + self.memory_time(tokens * k * 2 * INDEX_BYTES)                          # align
-                   + self.memory_time(routed * 3 * self.inter * ACTIVATION_BYTES)             # SiLU-and-mul
+                   + self.memory_time(routed * m.mlp_activation_widths * self.inter * ACTIVATION_BYTES)  # activation
                    + self.memory_time((routed + tokens / self.ep) * h * ACTIVATION_BYTES))   # weighted sum
         return router + grouped + shared + routing
