@@ -335,10 +335,10 @@ def estimated_params(spec, tied_embeddings: bool) -> float:
     h = spec.hidden_size
     experts = spec.num_moe_layers * ((spec.num_experts + spec.num_shared_experts) * spec.expert_params
                                      + h * spec.num_experts)
-    dense = (spec.num_mlp_layers - spec.num_moe_layers) * spec.dense_mlp_params_per_layer
+    dense = spec.num_dense_mlp_layers * spec.dense_mlp_params_per_layer
     embeddings = (1 if tied_embeddings else 2) * spec.vocab_size * h
     mamba = sum(g.count * (h * (2 * g.ssm_inner + 2 * g.ssm_groups * g.ssm_state_size + g.ssm_heads)
-                           + g.ssm_inner * h + g.conv_kernel * g.conv_channels)
+                           + g.ssm_inner * h + g.conv_kernel * g.conv_channels())
                 for g in spec.layer_groups if g.kind == "state")  # in_proj, out_proj, conv
     return embeddings + spec.num_attention_layers * spec.attention_params_per_layer + dense + experts + mamba
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass, fields
 
 from sim.errors import ConfigError
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+STATE_DTYPES = ("bf16", "fp16", "fp32")  # an SSM state's (vLLM's mamba_ssm_cache_dtype)
 LAYER_KINDS = ("full", "mla", "sliding", "chunked", "compressed", "dsa", "shared", "state", "mlp")
 WINDOWED = ("sliding", "chunked")  # kinds whose blocks leave once their tokens leave the window
 GROUPED = ("full", "mla", "sliding", "chunked", "dsa", "state")  # kinds of vLLM's one-page-size groups
@@ -89,7 +91,7 @@ class LayerGroup:
         if self.kind == "state" and self.state_bytes <= 0 and not self.has_mixer_widths:
             raise ConfigError(f"state layers need state_bytes > 0 or their Mamba-2 widths (ssm_heads, "
                               f"ssm_head_dim, ssm_state_size), {where}, set them")
-        if self.ssm_state_dtype not in ("", "bf16", "fp16", "fp32"):
+        if self.ssm_state_dtype and self.ssm_state_dtype not in STATE_DTYPES:
             raise ConfigError(f"ssm_state_dtype '{self.ssm_state_dtype}' is unknown, {where}, "
                               f"key ssm_state_dtype, use bf16, fp16 or fp32 (or leave it out: the model's dtype)")
 
@@ -102,26 +104,28 @@ class LayerGroup:
     def ssm_inner(self) -> int:
         return self.ssm_heads * self.ssm_head_dim
 
-    @property
-    def conv_channels(self) -> int:
-        """Channels of the causal conv: x, B and C (vLLM's conv_dim)."""
-        return self.ssm_inner + 2 * self.ssm_groups * self.ssm_state_size
-
     def groups_per_rank(self, tp: int) -> float:
         """B/C groups on one rank: split when they divide by the TP size, else (one group) on every
         rank, as vLLM pads n_groups for its head shards."""
         return self.ssm_groups / tp if self.ssm_groups % tp == 0 else self.ssm_groups
 
+    def conv_channels(self, tp: int = 1) -> float:
+        """Channels of the causal conv on one of tp ranks: x, B and C (vLLM's conv_dim)."""
+        return self.ssm_inner / tp + 2 * self.groups_per_rank(tp) * self.ssm_state_size
+
+    def conv_state_bytes(self, tp: int = 1, activation_bytes: int = 2) -> float:
+        """The conv state, (conv_kernel - 1) x conv channels in the activations' dtype."""
+        return (self.conv_kernel - 1) * self.conv_channels(tp) * activation_bytes
+
     def mamba_state_bytes(self, tp: int = 1, activation_bytes: int = 2) -> float:
         """One sequence's state in one state layer on one of tp ranks: given (split evenly), or
-        vLLM's mamba2_state_shape, the conv state (conv_kernel - 1) x conv channels in the
-        activations' dtype and the SSM state heads x head_dim x N in ssm_state_dtype."""
+        vLLM's mamba2_state_shape, the conv state and the SSM state heads x head_dim x N in
+        ssm_state_dtype (the activations' when not given)."""
         if self.state_bytes:
             return self.state_bytes / tp
-        ssm_bytes = {"": activation_bytes, "bf16": 2, "fp16": 2, "fp32": 4}[self.ssm_state_dtype]
-        inner = self.ssm_inner / tp
-        conv = inner + 2 * self.groups_per_rank(tp) * self.ssm_state_size
-        return float((self.conv_kernel - 1) * conv * activation_bytes + inner * self.ssm_state_size * ssm_bytes)
+        ssm_bytes = DTYPE_BYTES[self.ssm_state_dtype] if self.ssm_state_dtype else activation_bytes
+        return float(self.conv_state_bytes(tp, activation_bytes)
+                     + self.ssm_inner / tp * self.ssm_state_size * ssm_bytes)
 
 
 def layer_group(values: dict, where: str) -> LayerGroup:

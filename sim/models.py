@@ -16,10 +16,9 @@ from importlib import resources
 from omegaconf import OmegaConf
 
 from sim.errors import ConfigError, UnknownNameError
-from sim.kv_layout import (NO_ATTENTION, PLAIN_ATTENTION, KindUsage, LayerGroup, attention_token_page,
+from sim.kv_layout import (DTYPE_BYTES, NO_ATTENTION, PLAIN_ATTENTION, KindUsage, LayerGroup, attention_token_page,
                            kind_usage, layer_group, padded_layer_counts, state_block_size)
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
 # vLLM's kv_cache_dtype values; "auto" keeps the model's own KV dtype.
 KV_CACHE_DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8",
@@ -116,6 +115,17 @@ class ModelSpec:
     def num_mlp_layers(self) -> int:
         """Layers that carry an MLP block (dense or MoE); Nemotron-H's mixer layers carry none."""
         return sum(g.count for g in self.layer_groups if g.mlp or g.kind == "mlp")
+
+    @property
+    def num_dense_mlp_layers(self) -> int:
+        """Layers whose MLP block is dense (not MoE)."""
+        return self.num_mlp_layers - self.num_moe_layers
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the forward pass, each followed by a norm and (under TP) an all-reduce: every
+        layer's mixer (attention or state) and MLP (two a layer; Nemotron-H's layers hold one)."""
+        return self.num_attention_layers + self.num_state_layers + self.num_mlp_layers
 
     @property
     def attention_groups(self) -> tuple[LayerGroup, ...]:

@@ -144,8 +144,8 @@ class LatencyModel:
         # Layers by block (hybrids: Nemotron-H's layers hold one block each): attention mixers,
         # state (Mamba-2) mixers, dense MLPs; an all-reduce and a norm follow each block.
         self.attention_layers = model.num_attention_layers
-        self.num_dense_layers = model.num_mlp_layers - model.num_moe_layers
-        self.num_blocks = self.attention_layers + model.num_state_layers + model.num_mlp_layers
+        self.num_dense_layers = model.num_dense_mlp_layers
+        self.num_blocks = model.num_blocks
         self.state_mixers = [StateMixer(g, tp, model.hidden_size) for g in model.layer_groups if g.kind == "state"]
         self._ssm_proj: dict[float, float] = {}
         self.prefill_dims = model.attention_dims(decode=False)
@@ -457,11 +457,9 @@ DENSE_MLP_KERNELS, MOE_KERNELS, STEP_KERNELS = 4, 15, 6
 
 def eager_kernels(model: ModelSpec, tp: int) -> int:
     attention = MLA_BLOCK_KERNELS if model.is_mla else ATTENTION_BLOCK_KERNELS
-    dense = model.num_mlp_layers - model.num_moe_layers
-    blocks = model.num_attention_layers + model.num_state_layers + model.num_mlp_layers
-    all_reduces = blocks if tp > 1 else 0  # one after each block
+    all_reduces = model.num_blocks if tp > 1 else 0  # one after each block
     return (STEP_KERNELS + model.num_attention_layers * attention + all_reduces
-            + model.num_state_layers * STATE_BLOCK_KERNELS + dense * DENSE_MLP_KERNELS
+            + model.num_state_layers * STATE_BLOCK_KERNELS + model.num_dense_mlp_layers * DENSE_MLP_KERNELS
             + model.num_moe_layers * MOE_KERNELS)
 
 
@@ -476,17 +474,16 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     layers' own kernels are sim.latency.moe's; a state layer's conv and norms sim.latency.state's.
     Hybrids (Nemotron-H) norm once per block (mixer or MLP)."""
     h, b, layers = model.hidden_size, ACTIVATION_BYTES, model.num_attention_layers
-    blocks = layers + model.num_state_layers + model.num_mlp_layers
     if model.is_mla:
         rope = (model.num_heads / tp + 1) * model.qk_rope_head_dim
     else:
         rope = (model.num_heads / tp + model.num_kv_heads / kv_split) * model.head_dim
-    kernels = [(blocks, 4.0 * h * b), (layers, 2.0 * rope * b), (layers, 2.0 * kv_bytes)]
+    kernels = [(model.num_blocks, 4.0 * h * b), (layers, 2.0 * rope * b), (layers, 2.0 * kv_bytes)]
     if model.is_mla:
         kernels.append((layers, 2.0 * model.kv_lora_rank * b))
         if model.q_lora_rank:
             kernels.append((layers, 2.0 * model.q_lora_rank * b))
-    dense = model.num_mlp_layers - model.num_moe_layers
+    dense = model.num_dense_mlp_layers
     if dense:
         kernels.append((dense, float(model.mlp_activation_widths) * model.intermediate_size / tp * b))
     return kernels
@@ -506,7 +503,7 @@ def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
     kernels = [(layers, quant(h)), (layers, quant(out))]
     if model.is_mla and model.q_lora_rank:
         kernels.append((layers, quant(model.q_lora_rank)))
-    dense = model.num_mlp_layers - model.num_moe_layers
+    dense = model.num_dense_mlp_layers
     if dense:
         kernels += [(dense, quant(h)), (dense, quant(model.intermediate_size / tp))]
     if model.num_moe_layers:

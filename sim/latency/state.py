@@ -47,7 +47,7 @@ class StateMixer:
 
     @property
     def conv_channels(self) -> float:
-        return self.inner + 2 * self.group.groups_per_rank(self.tp) * self.group.ssm_state_size
+        return self.group.conv_channels(self.tp)
 
     @property
     def gemms(self) -> list[tuple[float, float]]:
@@ -59,16 +59,12 @@ class StateMixer:
         """One sequence's state on one rank (LayerGroup.mamba_state_bytes)."""
         return self.group.mamba_state_bytes(self.tp)
 
-    @property
-    def conv_state_bytes(self) -> float:
-        return (self.group.conv_kernel - 1) * self.conv_channels * ACTIVATION_BYTES
-
     def decode_kernels(self, num_seqs: float) -> list[float]:
         """Bytes of each of a decode step's three kernels over num_seqs sequences: the conv update
         (its state read and written, x, B and C read and written), the state update (the SSM state
         read and written; x, dt, B, C read, y written) and the gated norm (y and z read, its output
         written)."""
-        conv = self.conv_state_bytes
+        conv = self.group.conv_state_bytes(self.tp, ACTIVATION_BYTES)
         ssm = self.state_bytes - conv
         scan_io = (self.conv_channels + self.heads + self.inner) * ACTIVATION_BYTES
         return [num_seqs * (2 * conv + 2 * self.conv_channels * ACTIVATION_BYTES),
