@@ -1,7 +1,7 @@
 """Scaling behaviour of the first latency model (a pure function of the batch shape)."""
 import dataclasses
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sim.latency import BatchShape, LatencyModel, load_profile
@@ -89,6 +89,7 @@ def test_empty_step_costs_only_the_cpu_step():
 @given(gpu=st.sampled_from(["h100", "a100_80g", "h200"]), tp=st.sampled_from([1, 2, 4, 8]),
        seqs=st.integers(1, 256), context=st.integers(1, 200_000), prefill=st.integers(0, 16384),
        more=st.integers(1, 4096))
+@example(gpu="h100", tp=4, seqs=1, context=1, prefill=478, more=33)  # 479 -> 512 tokens: NCCL takes over
 def test_step_time_is_monotone_in_batch_context_and_tokens(gpu, tp, seqs, context, prefill, more):
     model = LatencyModel(load_model("llama3_70b"), load_profile(gpu), tp, "bf16")
 
@@ -96,7 +97,16 @@ def test_step_time_is_monotone_in_batch_context_and_tokens(gpu, tp, seqs, contex
         return BatchShape(num_prefill_tokens=prefill, num_prefill_seqs=1, prefill_causal_pairs=prefill * (prefill + 1) // 2,
                           prefill_kv_tokens=prefill, num_decode_seqs=seqs,
                           decode_context_tokens=seqs * context, num_sampled=seqs + (prefill > 0))
-    base = model.step_time(shape(seqs, context, prefill))
-    assert model.step_time(shape(seqs + more, context, prefill)) >= base
-    assert model.step_time(shape(seqs, context + more, prefill)) >= base
-    assert model.step_time(shape(seqs, context, prefill + more)) >= base
+    base = model.breakdown(shape(seqs, context, prefill))
+    for grown in (shape(seqs + more, context, prefill), shape(seqs, context + more, prefill),
+                  shape(seqs, context, prefill + more)):
+        after = model.breakdown(grown)
+        # Everything but the all-reduce grows with the batch. The all-reduce may shrink: vLLM
+        # hands a message to NCCL once it reaches its custom all-reduce's 8 MiB max_size, and on
+        # 4 H100s NCCL is the faster of the two there (vLLM PR #24111, TP 4: two-shot 43 us
+        # against NCCL 37 us at 4 MB, and two-shot's slope the steeper; tests/calibration/
+        # test_priors.py), so the engine's step time drops where a step's activations cross
+        # 8 MiB (512 tokens of an 8,192-wide model).
+        assert sum(after.values()) - after["allreduce"] >= sum(base.values()) - base["allreduce"]
+        if after["allreduce"] >= base["allreduce"]:
+            assert sum(after.values()) >= sum(base.values())
