@@ -17,6 +17,10 @@ from sim.kvcache.tiers import OffloadSpec
 from sim.slo import SloSpec, slo_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
+# TensorRT-LLM's names (CapacitySchedulerPolicy): max_utilization admits what fits now and preempts
+# when memory runs out (vLLM's and SGLang's scheduling, kvsim's default); guaranteed_no_evict
+# (TensorRT-LLM's default) admits only what can run to completion, and never preempts.
+CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
 OVERLENGTH_POLICIES = ("reject", "truncate")
 
 
@@ -122,6 +126,7 @@ class RunConfig:
     enable_chunked_prefill: bool = MISSING
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    capacity_scheduler_policy: str = "max_utilization"
     kv_cache_dtype: str = MISSING
     max_model_len: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
@@ -214,6 +219,7 @@ class EngineSpec:
     enable_chunked_prefill: bool
     scheduler_reserve_full_isl: bool
     watermark: float
+    capacity_scheduler_policy: str
     kv_cache_dtype: str
     max_model_len: int
     kv_cache_memory_bytes: Optional[int]
@@ -296,6 +302,9 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
              "give GiB of CPU memory per GPU (vLLM's default is 4)")
     _require(0 <= c["watermark"] < 1, "watermark", f"watermark={c['watermark']} is not in [0, 1)",
              "give a share of KV blocks, e.g. 0.01 (vLLM's default is 0)")
+    _require(c["capacity_scheduler_policy"] in CAPACITY_POLICIES, "capacity_scheduler_policy",
+             f"unknown capacity_scheduler_policy '{c['capacity_scheduler_policy']}'",
+             "use max_utilization (vLLM's scheduling) or guaranteed_no_evict (TensorRT-LLM's default)")
     _require(c["trace"]["on_overlength"] in OVERLENGTH_POLICIES, "trace.on_overlength",
              f"unknown trace.on_overlength '{c['trace']['on_overlength']}'", "use reject or truncate")
     _require(c["measure"]["warmup_s"] >= 0, "measure.warmup_s",
@@ -320,6 +329,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         enable_prefix_caching=c["enable_prefix_caching"],
         enable_chunked_prefill=c["enable_chunked_prefill"],
         scheduler_reserve_full_isl=c["scheduler_reserve_full_isl"], watermark=c["watermark"],
+        capacity_scheduler_policy=c["capacity_scheduler_policy"],
         kv_cache_dtype=c["kv_cache_dtype"],
         max_model_len=c["max_model_len"], kv_cache_memory_bytes=c["kv_cache_memory_bytes"],
         activation_reserve_bytes=c["activation_reserve_bytes"],

@@ -22,6 +22,8 @@ from sim.config import EngineSpec, engine_spec
 from sim.engine.cluster import Cluster
 from sim.engine.replica import Replica
 from sim.errors import ConfigError, UnknownNameError
+from sim.kvcache.block import BlockAllocator
+from sim.kvcache.hybrid import HybridBlockAllocator
 from sim.kvcache.tiers import Tier, TierChain
 from sim.latency import LatencyModel, load_profile
 from sim.engine.clock import Environment
@@ -190,6 +192,8 @@ def prepare(cfg: DictConfig) -> Setup:
         allocator = _instantiate(allocator_cfg, f"allocator config '{name}'", pool=pool,
                                  max_model_len=spec.max_model_len)
         state_bytes[name] = allocator.state_bytes()
+        if spec.capacity_scheduler_policy == "guaranteed_no_evict":
+            check_no_evict(name, allocator)
         if not takes_tiers(allocator):
             tierless.append(name)
     if spec.kv_offload.enabled and tierless:
@@ -203,6 +207,18 @@ def prepare(cfg: DictConfig) -> Setup:
         print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
               f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+def check_no_evict(name: str, allocator) -> None:
+    """guaranteed_no_evict reserves what a request holds to completion, which the paged
+    allocators' counts express (TensorRT-LLM's paged KV cache without block reuse; a hybrid
+    model's one shared pool). (A max_model_len request fits the pool whole: prepare refuses a
+    pool that holds none.)"""
+    paged = type(allocator) is BlockAllocator and not allocator.enable_caching
+    if not (paged or (type(allocator) is HybridBlockAllocator and not allocator.per_kind)):
+        raise ConfigError(f"capacity_scheduler_policy=guaranteed_no_evict applies to the paged allocator only "
+                          f"(a hybrid model's with pools=shared), not '{name}', key allocators, use allocators=[paged] or "
+                          f"capacity_scheduler_policy=max_utilization")
 
 
 TIER_KEY_BYTES = 100  # one block key in a tier's ordered dict (measured with tracemalloc: ~95 B)
@@ -367,6 +383,7 @@ def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queu
                                    spec.enable_chunked_prefill, spec.max_model_len,
                                    spec.preemption_mode, swap_tokens,
                                    spec.scheduler_reserve_full_isl, spec.watermark,
+                                   spec.capacity_scheduler_policy == "guaranteed_no_evict",
                                    setup.model.attention_groups)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = workload.first_arrival_s

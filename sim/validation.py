@@ -4,7 +4,8 @@ engine) simulated as that benchmark ran, and kvsim / published per row.
 A row is run as `scenario=bench` (fixed lengths) or `scenario=sharegpt` with the row's model,
 GPU profile, precision, parallelism, engine limits and load; its metric is read from the run's
 vllm_bench block. A benchmark that drives the engine in-process (`harness`: trtllm-bench,
-gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP serving overhead. Rows kvsim cannot run (a feature it does not model) are kept with their reason
+gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP serving overhead; TensorRT-LLM's rows
+run its default capacity policy (capacity_scheduler_policy=guaranteed_no_evict). Rows kvsim cannot run (a feature it does not model) are kept with their reason
 and count as misses; the rows check the model and never train it (no factor is fitted to them).
 """
 from __future__ import annotations
@@ -78,6 +79,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
     if row["enable_expert_parallel"] == "true":
         keys.append("enable_expert_parallel=true")
+    if row["engine"] == "TensorRT-LLM":  # its default capacity policy (SchedulerConfig): never preempts
+        keys.append("capacity_scheduler_policy=guaranteed_no_evict")
     if row["harness"] == "in-process":  # trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks
         keys.append("serving_overhead_s=0")
     if row["async_output_processing"] == "false":  # vLLM before 0.6 (PR #7049)

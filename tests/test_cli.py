@@ -120,6 +120,9 @@ def test_multirun_sweeps(tmp_path):
     (["run", "disaggregation.enabled=true", "disaggregation.decode_tensor_parallel_size=0"],
      ["key disaggregation.decode_tensor_parallel_size"]),
     (["run", "-m", "seed=1,2", "--cfg", "job"], ["-m runs a sweep and --cfg only prints"]),
+    (["run", "capacity_scheduler_policy=no_evict"], ["unknown capacity_scheduler_policy 'no_evict'", "guaranteed_no_evict"]),
+    (["run", "capacity_scheduler_policy=guaranteed_no_evict"], ["paged allocator only", "not 'contiguous'",
+                                                                "allocators=[paged]"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)

@@ -73,6 +73,22 @@ def test_the_compiled_loop_gives_the_python_engines_results(case, allocator):
     pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
 
 
+def test_guaranteed_no_evict_gives_the_python_engines_results_without_a_preemption():
+    """TensorRT-LLM's capacity policy in both loops, on the load that preempts under vLLM's."""
+    overrides = [*CASES["preemptions"], "capacity_scheduler_policy=guaranteed_no_evict"]
+    python, compiled = run(overrides, "python"), run(overrides, "compiled")
+    mp, mc = flatten(python.metrics), flatten(compiled.metrics)
+    for m in (mp, mc):
+        m.pop("wall_time_s"), [m.pop(k) for k in list(m) if k.startswith("engine")]
+    assert mp == mc, [k for k in mp if mp[k] != mc.get(k)]
+    pd.testing.assert_frame_equal(python.requests, compiled.requests)
+    pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
+    assert compiled.requests.num_preemptions.sum() == 0
+    preempting = run(CASES["preemptions"], "compiled").requests  # the same requests served, later
+    assert preempting.num_preemptions.sum() > 10
+    assert (compiled.requests.status == preempting.status).all()
+
+
 def test_a_store_compacted_at_every_turn_keeps_the_results(monkeypatch):
     """The prefix cache's block store at its smallest safe size (compacted whenever it fills,
     extents moving and shrinking) gives the Python engine's results on the evicting golden run

@@ -190,3 +190,31 @@ def test_watermark_keeps_a_share_of_blocks_free_only_while_something_runs():
     seq = add(lone, 2, 36, 4)
     plan, _ = step(lone, 1.0)
     assert [(s.seq_id, n) for s, n in plan.scheduled] == [(2, 16)] and lone.running == [seq]
+
+
+def _no_evict_run(guaranteed_no_evict):
+    """Two 6-token prompts that grow to 16 tokens (4 of 8 four-token blocks each) and a
+    2-token one that grows to 12 (3 blocks): 11 blocks to completion, 8 in the pool."""
+    alloc = BlockAllocator(8, 4)
+    scheduler = Scheduler(SchedulerSpec(8, 64, True, 64, guaranteed_no_evict=guaranteed_no_evict), alloc)
+    seqs = [add(scheduler, 1, 6, 10), add(scheduler, 2, 6, 10), add(scheduler, 3, 2, 10)]
+    admitted, preempted, now = [], 0, 0.0
+    while scheduler.has_work():
+        now += 1.0
+        plan, _ = step(scheduler, now)
+        preempted += plan.num_preempted
+        admitted.append(sorted(s.seq_id for s in scheduler.running))
+    return seqs, admitted, preempted
+
+
+def test_guaranteed_no_evict_admits_only_what_runs_to_completion_and_never_preempts():
+    """TensorRT-LLM's GUARANTEED_NO_EVICT (its default capacity policy): a request starts only
+    when every started request's blocks to completion and its own fit, so none is paused."""
+    (a, b, c), admitted, preempted = _no_evict_run(guaranteed_no_evict=True)
+    assert admitted[0] == [1, 2]  # c waits with 4 blocks free now: 4 + 4 + 3 > 8 to completion
+    assert preempted == 0 and a.num_preemptions == b.num_preemptions == c.num_preemptions == 0
+    assert c.first_token_time_s > min(a.finish_time_s, b.finish_time_s)  # once one has finished
+    assert all(s.num_output == s.request.output_len for s in (a, b, c))
+    # vLLM's scheduling (max_utilization) admits c at once and preempts when the blocks run out.
+    _, admitted, preempted = _no_evict_run(guaranteed_no_evict=False)
+    assert admitted[0] == [1, 2, 3] and preempted > 0

@@ -57,6 +57,14 @@ class BlockAllocator:
         self.total_reserved = 0
         self.total_internal = 0
 
+    def completion_need(self, seq) -> int:
+        """guaranteed_no_evict: the blocks of seq's whole length."""
+        return -(-seq.final_len // self.block_size)
+
+    @property
+    def completion_capacity(self) -> int:
+        return self.num_blocks
+
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False,
                   eviction: str = "lru", pools: str = "shared") -> "BlockAllocator":

@@ -92,6 +92,21 @@ class HybridBlockAllocator(PlannedStepByStep):
     def num_free(self) -> float:
         return sum(self.pool_free)
 
+    def completion_need(self, seq) -> float:
+        """guaranteed_no_evict: the most bytes seq can hold on its way to its final length (a
+        window or chunk kind never more than its window's pages and one)."""
+        need = 0.0
+        for kind, cost in zip(self.layout.page_kinds, self.block_cost):
+            blocks = kind.blocks(0, seq.final_len)
+            if kind.window and not kind.pooled:
+                blocks = min(blocks, -(-kind.window // kind.tokens_per_page) + 1)
+            need += blocks * cost
+        return need
+
+    @property
+    def completion_capacity(self) -> float:
+        return sum(self.pool_bytes)
+
     @property
     def capacity(self) -> int:
         return int(sum(self.pool_bytes))

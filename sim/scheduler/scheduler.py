@@ -12,7 +12,12 @@ the queue blocks the rest when it does not fit. Admission follows vLLM v1 as of 
 when its whole current sequence fits (after its prefix hit), even if only a first chunk is
 scheduled; `watermark` keeps that share of the pool free when admitting while others run
 (vLLM v1: applied to waiting and preempted requests when any request runs; default 0).
-With reserve_full_isl=false, a first chunk that fits admits (vLLM v1 before the option). With chunked prefill a prompt is split
+With reserve_full_isl=false, a first chunk that fits admits (vLLM v1 before the option).
+With guaranteed_no_evict (TensorRT-LLM's default capacity policy, GUARANTEED_NO_EVICT) a request
+is admitted only when the blocks of every admitted sequence's whole length (prompt plus
+output, to max_model_len) and its own fit in the pool, so that no sequence is ever preempted:
+TensorRT-LLM's capacity scheduler reserves each running request's blocks to completion
+(tensorrt_llm SchedulerConfig.capacity_scheduler_policy). With chunked prefill a prompt is split
 across steps to fit the budget; without it a prompt is scheduled whole. A request with n > 1
 forks its other samples once its prompt is computed (they share the prompt's KV).
 
@@ -54,6 +59,7 @@ class SchedulerSpec:
     swap_space_tokens: int = 0
     reserve_full_isl: bool = True
     watermark: float = 0.0
+    guaranteed_no_evict: bool = False
     # A model whose layers read different parts of the context (sliding, chunked-local, DSA): its
     # layer groups, so that each step's shape carries what each group reads (BatchShape.
     # group_attention); such a batch is planned sequence by sequence (no decode cohort).
@@ -92,6 +98,7 @@ class Committed(NamedTuple):
 # The first two hold for as long as a batch only decodes (its size and token count are fixed);
 # memory holds only where the allocator says so (admission_stays_blocked).
 BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET, BLOCKED_BY_MEMORY = "max_num_seqs", "budget", "memory"
+BLOCKED_BY_RESERVATION = "reservation"  # guaranteed_no_evict: lifts only when a sequence finishes
 
 
 class Scheduler:
@@ -106,6 +113,10 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
+        # guaranteed_no_evict: what each admitted sequence holds at most on its way to completion
+        # (the allocator's completion_need: blocks, or bytes of a hybrid pool), by id(sequence)
+        self._reserved: dict[int, float] | None = {} if spec.guaranteed_no_evict else None
+        self._reserved_total = 0
         self._consume_load_s = getattr(allocator, "consume_load_s", None)  # KV tier loads (prefix allocator)
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
         if spec.attention_groups or not self.queue_order.preempts_newest:
@@ -241,6 +252,10 @@ class Scheduler:
                     self.admission_blocked_by = BLOCKED_BY_MEMORY
                     break
                 num_new = budget
+            if self._reserved is not None and (
+                    self._reserved_total + allocator.completion_need(seq) > allocator.completion_capacity + 1e-6):
+                self.admission_blocked_by = BLOCKED_BY_RESERVATION
+                break
             # vLLM v1 admission: the whole current sequence must fit, not only this chunk
             # (scheduler_reserve_full_isl), and the watermark applies once something runs.
             full_tokens = seq.num_tokens if self.spec.reserve_full_isl else 0
@@ -248,6 +263,7 @@ class Scheduler:
             if allocator.allocate(seq, num_new, hit, full_tokens, watermark) is None:
                 self.admission_blocked_by = BLOCKED_BY_MEMORY
                 break
+            self._reserve(seq)
             waiting.popleft()
             seq.num_computed, seq.transferred_tokens = hit.num_tokens, 0
             if not seq.admitted:
@@ -258,8 +274,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _reserve(self, seq: Sequence) -> None:
+        if self._reserved is not None:
+            need = self._reserved[id(seq)] = self.allocator.completion_need(seq)
+            self._reserved_total += need
+
+    def _free(self, seq: Sequence) -> None:
+        """The allocator frees the sequence's blocks, and its reservation ends."""
         self.allocator.free(seq)
+        if self._reserved is not None:
+            self._reserved_total -= self._reserved.pop(id(seq), 0)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
         seq.num_preemptions += 1
         room = self.spec.swap_space_tokens - self.swap_used_tokens
         if self.spec.preemption_mode == "swap" and 0 < seq.num_computed <= room:
@@ -281,7 +308,7 @@ class Scheduler:
             first_gaps, finished = self._cohort.commit(now)
             gaps.update(first_gaps)
             for seq in finished:
-                self.allocator.free(seq)
+                self._free(seq)
         for seq, num_new in plan.tail:
             seq.num_computed += num_new
             if seq.num_computed < seq.num_tokens:
@@ -301,7 +328,7 @@ class Scheduler:
                     num_sampled += seq.request.n - 1  # each sample drew its own first token
             if seq.num_output >= seq.request.output_len or seq.num_tokens >= max_model_len:
                 seq.finish_time_s = now
-                self.allocator.free(seq)
+                self._free(seq)
                 finished.append(seq)
         if finished:
             done = {id(s) for s in finished}
@@ -325,7 +352,7 @@ class Scheduler:
         blocked = self.admission_blocked_by
         if self.waiting and self.queue_order.reorders:  # an arrival or the cache may reorder the queue
             return 1
-        if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET) or (
+        if self.waiting and not (blocked in (BLOCKED_BY_SEQS, BLOCKED_BY_BUDGET, BLOCKED_BY_RESERVATION) or (
                 blocked == BLOCKED_BY_MEMORY
                 and self.allocator.admission_stays_blocked(self.spec.reserve_full_isl))):
             return 1
@@ -386,6 +413,7 @@ class Scheduler:
                 siblings.append(sibling)
                 continue
             if self.allocator.fork(parent, sibling):
+                self._reserve(sibling)  # (its whole length: the prompt blocks it shares counted again)
                 siblings.append(sibling)
             else:  # no memory for a copy (contiguous): recompute its prompt later
                 sibling.num_computed = 0

@@ -41,15 +41,15 @@ SEQ_FLOATS = 6
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
     PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, CACHED_FREE, QUEUE_HEAD, QUEUE_TAIL, FREE_ENTRIES, \
     UNUSED_ENTRIES, FREE_EXTENTS, UNUSED_EXTENTS, FREE_CLAIMS, UNUSED_CLAIMS, STORE_TOP, HELD_ROOM, \
-    ORDER_LEN, MEMO_RUNS, POOL_FAULT, CHAIN_MASK, NUM_CHAINS = range(27)
-REPLICA_INTS = 27
+    ORDER_LEN, MEMO_RUNS, POOL_FAULT, CHAIN_MASK, NUM_CHAINS, RESERVED_BLOCKS = range(28)
+REPLICA_INTS = 28
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
 (P_REPLICAS, P_BLOCK_SIZE, P_NUM_BLOCKS, P_MAX_SEQS, P_BUDGET, P_CHUNKED, P_MAX_MODEL_LEN,
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
- P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING) = range(18)
-PARAM_INTS = 18
+ P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING, P_NO_EVICT) = range(19)
+PARAM_INTS = 19
 # The block pool with prefix caching (core.run's pool tuple; the functions below take its arrays
 # one by one, as a tuple argument costs a reference count per array), per replica, kept in runs
 # of blocks rather than block by block (block ids never matter, only which keys are cached and
@@ -893,6 +893,8 @@ def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_
     """BlockAllocator.free: s's blocks released deepest first (its own, then the ones it found
     cached: the same runs a lookup finds, since a block held keeps its key)."""
     _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], -1)
+    if pi[P_NO_EVICT]:
+        rep[r, RESERVED_BLOCKS] -= _blocks_to_completion(pi, seqs, s)
     if pi[P_CACHING]:
         e = seqs[s, EXTENT]
         if extents[r, e, X_CLAIMED] < extents[r, e, X_KEYED]:
@@ -907,6 +909,12 @@ def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_
     else:
         rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
     seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0, 0
+
+
+@inline
+def _blocks_to_completion(pi, seqs, s):
+    """guaranteed_no_evict (Scheduler._blocks_to_completion): the blocks of s's whole length."""
+    return -(-seqs[s, FINAL_LEN] // pi[P_BLOCK_SIZE])
 
 
 @inline
@@ -988,11 +996,15 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
                 if not pi[P_CHUNKED]:
                     break
                 num_new = budget
+            if pi[P_NO_EVICT] and rep[r, RESERVED_BLOCKS] + _blocks_to_completion(pi, seqs, s) > pi[P_NUM_BLOCKS]:
+                break  # guaranteed_no_evict: until a sequence finishes
             full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
             watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
             if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
                              segments, store, extents, entries, claims, chain_table, order, memo):
                 break
+            if pi[P_NO_EVICT]:
+                rep[r, RESERVED_BLOCKS] += _blocks_to_completion(pi, seqs, s)
             _pop_front(rep, waiting, r)
             seqs[s, COMPUTED] = hit_tokens
             if not seqs[s, ADMITTED]:

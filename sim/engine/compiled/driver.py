@@ -31,6 +31,7 @@ def _parameters(setup, allocator, router) -> tuple[np.ndarray, np.ndarray]:
     ints[core.P_CHUNKED], ints[core.P_MAX_MODEL_LEN] = int(spec.enable_chunked_prefill), spec.max_model_len
     ints[core.P_RESERVE_FULL] = int(spec.scheduler_reserve_full_isl)
     ints[core.P_CACHING] = int(allocator.enable_caching)
+    ints[core.P_NO_EVICT] = int(spec.capacity_scheduler_policy == "guaranteed_no_evict")
     ints[core.P_ROUTER] = (core.ROUTE_ROUND_ROBIN if type(router) is RoundRobin or spec.num_replicas == 1
                            else ROUTERS[router.metric])
     floats[core.P_WATERMARK], floats[core.P_OVERHEAD_S] = spec.watermark, spec.serving_overhead_s
