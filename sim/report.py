@@ -91,7 +91,9 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     extra = "".join(f" {key}={value}" for key, value, default in (
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
-        ("quantization", cfg.get("quantization"), None)) if value != default)
+        ("quantization", cfg.get("quantization"), None),
+        ("capacity_scheduler_policy", cfg.get("capacity_scheduler_policy", "max_utilization"), "max_utilization"))
+        if value != default)
     replicas = cfg.cluster.num_replicas if replicas is None else replicas
     gpus = f"gpu={cfg.gpu} tensor_parallel_size={cfg.tensor_parallel_size}{extra} cluster.num_replicas={replicas}"
     pd = cfg.get("disaggregation")

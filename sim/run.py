@@ -212,12 +212,12 @@ def prepare(cfg: DictConfig) -> Setup:
 def check_no_evict(name: str, allocator) -> None:
     """guaranteed_no_evict reserves what a request holds to completion, which the paged
     allocators' counts express (TensorRT-LLM's paged KV cache without block reuse; a hybrid
-    model's one shared pool). (A max_model_len request fits the pool whole: prepare refuses a
-    pool that holds none.)"""
+    model's pools). (A max_model_len request fits the pool whole: prepare refuses a pool that
+    holds none.)"""
     paged = type(allocator) is BlockAllocator and not allocator.enable_caching
-    if not (paged or (type(allocator) is HybridBlockAllocator and not allocator.per_kind)):
+    if not (paged or type(allocator) is HybridBlockAllocator):
         raise ConfigError(f"capacity_scheduler_policy=guaranteed_no_evict applies to the paged allocator only "
-                          f"(a hybrid model's with pools=shared), not '{name}', key allocators, use allocators=[paged] or "
+                          f"(without prefix caching), not '{name}', key allocators, use allocators=[paged] or "
                           f"capacity_scheduler_policy=max_utilization")
 
 

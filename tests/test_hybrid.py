@@ -330,3 +330,22 @@ def test_deepseek_v4_decode_flops_at_1m_against_deepseeks_published_share():
     assert decode_flops_per_token("deepseek_v4_flash", 1_000_000) / v32 == pytest.approx(0.10, abs=0.04)
     # at 8K tokens the indexer matters little: the compressed layers' saving is mostly gone
     assert decode_flops_per_token("deepseek_v4_pro", 8192) / decode_flops_per_token("deepseek_v32", 8192) > 0.8
+
+
+def test_guaranteed_no_evict_reserves_a_windows_pages_under_chunked_prefill():
+    """Gemma-3's sliding layers hold, during a prefill chunk, the window's last tokens and the
+    chunk's: guaranteed_no_evict reserves that much per sliding kind, so a load that preempts
+    over a hundred times under vLLM's scheduling (first-chunk admission) preempts never."""
+    from sim.run import run_all
+    from tests.conftest import compose_config
+    load = ["scenario=synthetic", "model=gemma3_27b", "gpu=h100", "tensor_parallel_size=1",
+            "kv_cache_memory_bytes=10000000000", "max_model_len=16384", "scenario.num_requests=60",
+            "scenario.request_rate_per_s=30", "scenario.input_tokens_mean=12000",
+            "scenario.output_tokens_mean=200", "scheduler_reserve_full_isl=false", "allocators=[paged]",
+            "plots=false", "progress=false"]
+    preempted = {}
+    for policy in ("max_utilization", "guaranteed_no_evict"):
+        [result] = run_all(compose_config("run", [*load, f"capacity_scheduler_policy={policy}"]))
+        preempted[policy] = int(result.requests.num_preemptions.sum())
+        assert (result.requests.status != "finished").sum() == (result.requests.status == "rejected").sum()
+    assert preempted["max_utilization"] > 20 and preempted["guaranteed_no_evict"] == 0

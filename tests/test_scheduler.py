@@ -218,3 +218,34 @@ def test_guaranteed_no_evict_admits_only_what_runs_to_completion_and_never_preem
     # vLLM's scheduling (max_utilization) admits c at once and preempts when the blocks run out.
     _, admitted, preempted = _no_evict_run(guaranteed_no_evict=False)
     assert admitted[0] == [1, 2, 3] and preempted > 0
+
+
+def test_guaranteed_no_evict_reserves_each_samples_share_at_admission():
+    """A request of n samples reserves its blocks to completion and, for each other sample, the
+    blocks past the prompt's full blocks it will share: two 2-sample requests (4 + 2 blocks each
+    of 16) and a single one (4) fit; a fourth waits until one finishes; nothing is preempted
+    and every reservation is given back."""
+    alloc = BlockAllocator(16, 4)
+    scheduler = Scheduler(SchedulerSpec(8, 64, True, 64, guaranteed_no_evict=True), alloc)
+    pairs = [Sequence(request(i, [(i, 8)], 8, n=2), 0.0, 64) for i in (1, 2)]
+    for seq in pairs:
+        scheduler.add(seq)
+    single, late = add(scheduler, 3, 8, 8), add(scheduler, 4, 8, 8)
+    now, preempted, first_admitted = 0.0, 0, None
+    while scheduler.has_work():
+        now += 1.0
+        plan, _ = step(scheduler, now)
+        preempted += plan.num_preempted
+        first_admitted = first_admitted or sorted({s.request.request_id for s in scheduler.running})
+    assert first_admitted == [1, 2, 3] and preempted == 0
+    assert late.first_token_time_s > min(seq.finish_time_s for seq in (*pairs, single))
+    reservations = scheduler._reservations
+    assert reservations.held == {} and reservations.total == [0]
+
+
+def test_the_runs_title_says_a_capacity_policy_other_than_vllms():
+    from sim.report import run_title
+    from tests.conftest import compose_config
+    assert "capacity_scheduler_policy" not in run_title(compose_config("run", []))
+    title = run_title(compose_config("run", ["capacity_scheduler_policy=guaranteed_no_evict"]))
+    assert "capacity_scheduler_policy=guaranteed_no_evict" in title

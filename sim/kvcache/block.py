@@ -57,13 +57,17 @@ class BlockAllocator:
         self.total_reserved = 0
         self.total_internal = 0
 
-    def completion_need(self, seq) -> int:
-        """guaranteed_no_evict: the blocks of seq's whole length."""
-        return -(-seq.final_len // self.block_size)
+    def completion_need(self, seq, step_tokens: int) -> list[int]:
+        """guaranteed_no_evict (sim.scheduler.reservations): the blocks of seq's whole length."""
+        return [-(-seq.final_len // self.block_size)]
+
+    def fork_need(self, seq, step_tokens: int) -> list[int]:
+        """Each further sample's blocks past the prompt's full blocks it shares (fork)."""
+        return [-(-seq.final_len // self.block_size) - seq.request.prompt_len // self.block_size]
 
     @property
-    def completion_capacity(self) -> int:
-        return self.num_blocks
+    def completion_capacity(self) -> list[int]:
+        return [self.num_blocks]
 
     @classmethod
     def from_pool(cls, pool, max_model_len: int, enable_caching: bool = False,

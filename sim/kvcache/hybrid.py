@@ -92,20 +92,26 @@ class HybridBlockAllocator(PlannedStepByStep):
     def num_free(self) -> float:
         return sum(self.pool_free)
 
-    def completion_need(self, seq) -> float:
-        """guaranteed_no_evict: the most bytes seq can hold on its way to its final length (a
-        window or chunk kind never more than its window's pages and one)."""
-        need = 0.0
-        for kind, cost in zip(self.layout.page_kinds, self.block_cost):
+    def completion_need(self, seq, step_tokens: int) -> list[float]:
+        """guaranteed_no_evict (sim.scheduler.reservations): per pool, the most bytes seq can
+        hold on its way to its final length. A window or chunk kind holds, in a step adding up
+        to step_tokens tokens, the window's last tokens and the step's: at most
+        ceil((window - 1 + step_tokens) / page) + 1 pages."""
+        need = [0.0] * len(self.pool_bytes)
+        for kind, pool, cost in zip(self.layout.page_kinds, self.kind_pool, self.block_cost):
             blocks = kind.blocks(0, seq.final_len)
             if kind.window and not kind.pooled:
-                blocks = min(blocks, -(-kind.window // kind.tokens_per_page) + 1)
-            need += blocks * cost
+                blocks = min(blocks, -(-(kind.window - 1 + step_tokens) // kind.tokens_per_page) + 1)
+            need[pool] += blocks * cost
         return need
 
+    def fork_need(self, seq, step_tokens: int) -> list[float]:
+        """Nothing: a forked sample here recomputes its prompt, admitted on its own (fork)."""
+        return [0.0] * len(self.pool_bytes)
+
     @property
-    def completion_capacity(self) -> float:
-        return sum(self.pool_bytes)
+    def completion_capacity(self) -> list[float]:
+        return list(self.pool_bytes)
 
     @property
     def capacity(self) -> int:

@@ -41,6 +41,7 @@ from sim.kvcache.base import NO_HIT, PrefixHit
 from sim.latency.model import BatchShape
 from sim.scheduler.cohort import DecodeCohort, stretch_gap_rows
 from sim.scheduler.queue_order import Fcfs
+from sim.scheduler.reservations import Reservations
 from sim.scheduler.sequence import Sequence
 
 FIRST_SIBLING_ID = 1 << 40  # sibling sequence ids never meet request ids
@@ -113,10 +114,8 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
-        # guaranteed_no_evict: what each admitted sequence holds at most on its way to completion
-        # (the allocator's completion_need: blocks, or bytes of a hybrid pool), by id(sequence)
-        self._reserved: dict[int, float] | None = {} if spec.guaranteed_no_evict else None
-        self._reserved_total = 0
+        step_tokens = spec.max_num_batched_tokens if spec.enable_chunked_prefill else spec.max_model_len
+        self._reservations = Reservations(allocator, step_tokens) if spec.guaranteed_no_evict else None
         self._consume_load_s = getattr(allocator, "consume_load_s", None)  # KV tier loads (prefix allocator)
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
         if spec.attention_groups or not self.queue_order.preempts_newest:
@@ -221,8 +220,11 @@ class Scheduler:
         while swapped and budget > 0 and len(running) < self.spec.max_num_seqs:
             seq = swapped[0]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if self._reservations is not None and not self._reservations.fits(seq):
+                break
             if self.allocator.allocate(seq, seq.num_swapped_tokens + num_new, NO_HIT) is None:
                 break
+            self._reserve(seq)
             swapped.popleft()
             self._swap_tokens += seq.num_swapped_tokens
             self.swap_used_tokens -= seq.num_swapped_tokens
@@ -252,8 +254,7 @@ class Scheduler:
                     self.admission_blocked_by = BLOCKED_BY_MEMORY
                     break
                 num_new = budget
-            if self._reserved is not None and (
-                    self._reserved_total + allocator.completion_need(seq) > allocator.completion_capacity + 1e-6):
+            if self._reservations is not None and not self._reservations.fits(seq):
                 self.admission_blocked_by = BLOCKED_BY_RESERVATION
                 break
             # vLLM v1 admission: the whole current sequence must fit, not only this chunk
@@ -275,15 +276,14 @@ class Scheduler:
         return budget
 
     def _reserve(self, seq: Sequence) -> None:
-        if self._reserved is not None:
-            need = self._reserved[id(seq)] = self.allocator.completion_need(seq)
-            self._reserved_total += need
+        if self._reservations is not None:
+            self._reservations.take(seq)
 
     def _free(self, seq: Sequence) -> None:
         """The allocator frees the sequence's blocks, and its reservation ends."""
         self.allocator.free(seq)
-        if self._reserved is not None:
-            self._reserved_total -= self._reserved.pop(id(seq), 0)
+        if self._reservations is not None:
+            self._reservations.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
@@ -411,13 +411,16 @@ class Scheduler:
             if parent.num_output >= parent.request.output_len or parent.num_tokens >= self.spec.max_model_len:
                 sibling.finish_time_s = now  # a one-token request: finished with its parent
                 siblings.append(sibling)
-                continue
-            if self.allocator.fork(parent, sibling):
-                self._reserve(sibling)  # (its whole length: the prompt blocks it shares counted again)
+                forked = False
+            elif self.allocator.fork(parent, sibling):
                 siblings.append(sibling)
+                forked = True
             else:  # no memory for a copy (contiguous): recompute its prompt later
                 sibling.num_computed = 0
                 self.waiting.appendleft(sibling)
+                forked = False
+            if self._reservations is not None:
+                self._reservations.fork(parent, sibling, forked)
         return siblings
 
 
