@@ -209,6 +209,49 @@ def test_a_repeated_traces_rows_are_its_copies_rows(fmt, path):
     assert request_rows(workload, with_keys=False).keys is None
 
 
+def _segment_rows_match_requests(workload):
+    """Asserts that each request's segment rows (through first_segment and num_segments) are its
+    own prompt's starts, content ids and prefix ids; returns the rows read and the segments held."""
+    from sim.engine.compiled.rows import request_rows
+    keys = request_rows(workload, with_keys=True).keys
+    requests = [r for session in workload.in_arrival_order() for r in session.turns]
+    for i, request in enumerate(requests):
+        first, count = keys.first_segment[i], keys.num_segments[i]
+        own = keys.segments[first:first + count]
+        assert own[:, 0].tolist() == list(request.segment_starts), i
+        assert own[:, 1].tolist() == [content for content, _ in request.segments], i
+        assert own[:, 2].tolist() == list(request.prefix_ids[:-1]), i
+        assert keys.prompt_prefix[i] == request.prefix_ids[-1], i
+    return len(keys.segments), sum(len(r.segments) for r in requests)
+
+
+def test_a_turn_reads_its_next_turns_segment_rows_only_when_its_prompt_starts_that_prompt():
+    """rows._read_keys shares a turn's segment rows with a later turn's only where its prompt is
+    that turn's first segments: a session whose third turn starts afresh, one whose second turn
+    drops the first's last segment, and one whose turns grow (rows shared)."""
+    from sim.workload.request import PrefixInterner, Session, Workload, make_request
+    interner, sessions, ids = PrefixInterner(), [], iter(range(100))
+    prompts = {0: [[(1, 100)], [(1, 100), (2, 50)], [(3, 30)], [(3, 30), (4, 10)]],
+               1: [[(1, 100), (2, 50)], [(1, 100)], [(1, 100), (5, 7)]],
+               2: [[(6, 20)], [(6, 20), (7, 20)], [(6, 20), (7, 20), (8, 20)]]}
+    for session_id, turns in prompts.items():
+        requests = tuple(make_request(interner, next(ids), segments, 5, 1000 + next(ids), session_id=session_id,
+                                      turn=turn) for turn, segments in enumerate(turns))
+        sessions.append(Session(session_id, float(session_id), requests))
+    held, in_prompts = _segment_rows_match_requests(Workload(tuple(sessions)))
+    assert in_prompts == 17
+    assert held == 4 + 4 + 3  # each run of growing turns holds its last turn's rows
+
+
+@pytest.mark.parametrize("scenario", ["rag_agents", "chat"])
+def test_each_requests_segment_rows_are_its_own_prompts(scenario):
+    """Scenarios whose turns grow hold each session's rows about once, every request finding its
+    own."""
+    from sim.run import build_workload
+    held, in_prompts = _segment_rows_match_requests(build_workload(compose_config("run", [f"scenario={scenario}"]), 0))
+    assert held < in_prompts / 2
+
+
 def test_the_pool_takes_small_pages_and_gives_numpy_its_setting_back():
     """The pool's arrays are allocated with numpy's huge-page advice off (driver._small_pages);
     numpy's own setting is restored after, whichever it was."""

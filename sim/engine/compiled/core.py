@@ -107,10 +107,10 @@ DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK, STORE_FULL = range(5)
 # counting (_nrt=False), which otherwise costs two atomic operations per array argument per
 # call: a third of the loop's time (measured with perf, benchmarks/README.md). They only read
 # and write the arrays run() holds, so no count is needed to keep them alive.
-entry = numba.njit(cache=True, nogil=True)
-jit = numba.njit(cache=True, nogil=True, _nrt=False)
+entry = numba.njit(cache=True, nogil=True, error_model="numpy")
+jit = numba.njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 # Small helpers called per sequence or per run of blocks are inlined where they are called.
-inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
+inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always", error_model="numpy")
 
 
 @jit

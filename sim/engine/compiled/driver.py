@@ -79,7 +79,7 @@ def _pool(allocator, num_replicas: int, max_seqs: int, max_model_len: int, reque
     blocks, size = allocator.num_blocks, allocator.block_size
     keys = requests.keys
     seqs[:, core.NUM_SEGMENTS] = keys.num_segments
-    seqs[:, core.SEGMENTS] = np.cumsum(keys.num_segments) - keys.num_segments
+    seqs[:, core.SEGMENTS] = keys.first_segment
     seqs[:, core.OUTPUT_CONTENT] = keys.output_content
     seqs[:, core.PROMPT_PREFIX] = keys.prompt_prefix
     longest = int(seqs[:, core.FINAL_LEN].max()) if len(requests) else 1
