@@ -109,7 +109,13 @@ DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK, STORE_FULL = range(5)
 # and write the arrays run() holds, so no count is needed to keep them alive.
 entry = numba.njit(cache=True, nogil=True, error_model="numpy")
 jit = numba.njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
-# Small helpers called per sequence or per run of blocks are inlined where they are called.
+# Small helpers called per sequence or per run of blocks are inlined where they are called, and
+# so is the pool's path from a running sequence's growth to the eviction of a cached block
+# (_grow, _take, _unclaim, _key_full_blocks) and the keying and walking of a prefix (_claim,
+# _key_range, _walk, _touch): a call passes each array as about ten words (data, shape,
+# strides), and a dozen of them cost more than the work (rag_agents_100k's prefix loop 1.80 ->
+# 1.39 s, benchmarks/README.md). Inlining more (_lookup, _release) measured no gain and a
+# longer first compile (55 -> 71 s).
 inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always", error_model="numpy")
 
 
@@ -410,7 +416,7 @@ def _next_claimed(claims, r, head, offset, size, limit):
     return first
 
 
-@jit
+@inline
 def _claim(pi, claims, extents, chain_table, rep, r, e, chain, low, high, depth):
     """cached.setdefault for the keys at offsets [low, high) of a chain, held by extent e's
     blocks from depth on: e claims the offsets no block claims yet (its other blocks are
@@ -464,7 +470,7 @@ def _drop_claim(claims, chain_table, rep, r, c):
         _drop_chain(chain_table, claims, rep, r, h)
 
 
-@jit
+@inline
 def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
     """del cached[key] for the keys of extent e's blocks at depths [low, high): its claims (its
     own list, deepest first) lose those depths."""
@@ -505,7 +511,7 @@ def _unclaim(pi, claims, extents, chain_table, rep, r, e, low, high):
         before, c = c, following
 
 
-@jit
+@inline
 def _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, count):
     """The cached blocks at the start of s, up to count: as runs (extent, first depth, end
     depth) in memo[r, :runs], in s's order; returns (runs, blocks)."""
@@ -609,7 +615,7 @@ def _unqueue(entries, store, rep, r, q, low, high, shift):
         store[r, PLACE, high + shift:q_high + shift] = moved
 
 
-@jit
+@inline
 def _touch(store, extents, entries, memo, rep, r):
     """BlockPool.touch of the last lookup's blocks: one more reference to each, out of the free
     queue if free."""
@@ -704,8 +710,8 @@ def _evict(pi, store, extents, claims, chain_table, rep, r, e, low, high):
     _drop_extent_if_done(extents, rep, r, e)
 
 
-@jit
-def _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, e, count):
+@inline
+def _take(pi, store, extents, entries, claims, chain_table, rep, r, e, count):
     """BlockPool.take in LRU's free order (each entry's blocks deepest first): count blocks,
     their keys dropped, become extent e's next blocks."""
     rep[r, FREE_BLOCKS] -= count
@@ -755,7 +761,7 @@ def _release(store, extents, entries, rep, r, e, low, high):
         d = first - 1
 
 
-@jit
+@inline
 def _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end):
     """BlockAllocator.key_full_blocks: the blocks tokens up to `end` filled get their keys (a
     key another block holds already stays with that block). The keys of a first admission's
@@ -782,7 +788,7 @@ def _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, l
     extents[r, e, X_CLAIMED] = last
 
 
-@jit
+@inline
 def _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, low, high):
     """The keys of extent e's blocks at depths [low, high) (sequence s's) go in the table, a
     chain at a time."""
@@ -793,13 +799,6 @@ def _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, l
         stop = min(chain_end, high)
         _claim(pi, claims, extents, chain_table, rep, r, e, chain, (d + 1) * size - start, (stop + 1) * size - start, d)
         d = stop
-
-
-@inline
-def _lands_in_slack(pi, seqs, s, num_new):
-    """Whether num_new more tokens of a sequence holding blocks land in its last block's slack:
-    BlockAllocator.allocate's fast path, which takes no block."""
-    return seqs[s, HAS_BLOCKS] and seqs[s, SLOTS_TOKENS] + num_new <= seqs[s, BLOCKS] * pi[P_BLOCK_SIZE]
 
 
 @inline
@@ -831,38 +830,46 @@ def _grows_past_store(extents, rep, r, seqs, s, needed):
 
 
 @jit
-def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
-              segments, store, extents, entries, claims, chain_table, order, memo):
-    """BlockAllocator.allocate without forks (so without copy-on-write); on admission (s holds
-    no blocks) after a prefix hit of num_hit blocks (the last lookup's), revived of them free.
-    False: no memory (or, with rep[r, POOL_FAULT] set, no room in the block store). Without
-    prefix caching only counts are kept (block ids never matter)."""
+def _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
+           segments, store, extents, entries, claims, chain_table, order, memo):
+    """BlockAllocator.allocate on admission (BlockAllocator._admit: s holds no blocks) after a
+    prefix hit of num_hit blocks (the last lookup's), revived of them free. False: no memory
+    (or, with rep[r, POOL_FAULT] set, no room in the block store). Without prefix caching only
+    counts are kept (block ids never matter)."""
     size, caching = pi[P_BLOCK_SIZE], pi[P_CACHING]
-    if not seqs[s, HAS_BLOCKS]:  # admission (BlockAllocator._admit)
-        end = num_hit * size + num_new
-        needed = -(-end // size) - num_hit
-        required = needed
-        if full_tokens or watermark != 0.0:
-            required = max(needed, -(-full_tokens // size) - num_hit) + int(watermark * pi[P_NUM_BLOCKS])
-        if required > rep[r, FREE_BLOCKS] - revived:
+    end = num_hit * size + num_new
+    needed = -(-end // size) - num_hit
+    required = needed
+    if full_tokens or watermark != 0.0:
+        required = max(needed, -(-full_tokens // size) - num_hit) + int(watermark * pi[P_NUM_BLOCKS])
+    if required > rep[r, FREE_BLOCKS] - revived:
+        return False
+    if caching:
+        room = -(-seqs[s, FINAL_LEN] // size) + 1 - num_hit
+        e = _new_extent(pi, store, extents, order, rep, r, s, num_hit, max(room, needed))
+        if e < 0:
+            rep[r, POOL_FAULT] = 1
             return False
-        if caching:
-            room = -(-seqs[s, FINAL_LEN] // size) + 1 - num_hit
-            e = _new_extent(pi, store, extents, order, rep, r, s, num_hit, max(room, needed))
-            if e < 0:
-                rep[r, POOL_FAULT] = 1
-                return False
-            seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
-            _touch(store, extents, entries, memo, rep, r)
-            _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, e, needed)
-        else:
-            rep[r, FREE_BLOCKS] -= needed
-        seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
-        seqs[s, KEYED] = num_hit
-        _count_slack(rep, r, seqs, s, size, 1)
-        if caching:
-            _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
-        return True
+        seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
+        _touch(store, extents, entries, memo, rep, r)
+        _take(pi, store, extents, entries, claims, chain_table, rep, r, e, needed)
+    else:
+        rep[r, FREE_BLOCKS] -= needed
+    seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
+    seqs[s, KEYED] = num_hit
+    _count_slack(rep, r, seqs, s, size, 1)
+    if caching:
+        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+    return True
+
+
+@inline
+def _grow(pi, rep, r, seqs, s, num_new, segments, store, extents, entries, claims, chain_table):
+    """BlockAllocator.allocate without forks (so without copy-on-write) for a sequence holding
+    blocks: num_new more tokens, in its last block's slack or in blocks taken. False: no memory
+    (or, with rep[r, POOL_FAULT] set, no room in the block store). Inlined where a running
+    sequence grows: a call's dozen array arguments cost more than its work (benchmarks/README.md)."""
+    size, caching = pi[P_BLOCK_SIZE], pi[P_CACHING]
     start = seqs[s, SLOTS_TOKENS]
     end = start + num_new
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
@@ -877,7 +884,7 @@ def _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit,
         return False
     _count_slack(rep, r, seqs, s, size, -1)
     if caching:
-        _take(pi, seqs, segments, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
+        _take(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
     else:
         rep[r, FREE_BLOCKS] -= needed
     seqs[s, BLOCKS] += needed
@@ -955,15 +962,9 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
         s = running[r, index]
         num_new = min(seqs[s, TOKENS] - seqs[s, COMPUTED], budget)
         preempted_self = False
-        if _lands_in_slack(pi, seqs, s, num_new):
-            _fill_slack(rep, r, seqs, s, num_new)
-            if pi[P_CACHING] and _fills_a_block(pi, seqs, s, seqs[s, SLOTS_TOKENS]):
-                _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, seqs[s, SLOTS_TOKENS])
-            fits = True
-        else:
-            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, 0, 0,
-                             segments, store, extents, entries, claims, chain_table, order, memo)
-        while not fits:
+        # (_grow has one call site, where it is inlined: the loop allocates, then preempts the
+        # newest running sequence and allocates again until it fits or s itself is preempted.)
+        while not _grow(pi, rep, r, seqs, s, num_new, segments, store, extents, entries, claims, chain_table):
             last = rep[r, NUM_RUNNING] - 1  # Fcfs.victim: the newest running sequence
             victim = running[r, last]
             rep[r, NUM_RUNNING] = last
@@ -976,8 +977,6 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
             if victim == s:
                 preempted_self = True
                 break
-            fits = _allocate(pi, pf, rep, r, seqs, s, num_new, 0, 0.0, 0, 0,
-                             segments, store, extents, entries, claims, chain_table, order, memo)
         if preempted_self:
             break
         plan[r, num_planned, 0], plan[r, num_planned, 1] = s, num_new
@@ -1000,8 +999,8 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
                 break  # guaranteed_no_evict: until a sequence finishes
             full_tokens = seqs[s, TOKENS] if pi[P_RESERVE_FULL] else 0
             watermark = pf[P_WATERMARK] if rep[r, NUM_RUNNING] else 0.0
-            if not _allocate(pi, pf, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
-                             segments, store, extents, entries, claims, chain_table, order, memo):
+            if not _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
+                          segments, store, extents, entries, claims, chain_table, order, memo):
                 break
             if pi[P_NO_EVICT]:
                 rep[r, RESERVED_BLOCKS] += _blocks_to_completion(pi, seqs, s)
