@@ -829,6 +829,24 @@ def _grows_past_store(extents, rep, r, seqs, s, needed):
     return True
 
 
+@inline
+def _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, e, needed):
+    """needed free blocks become extent e's (BlockPool.take); without prefix caching they only
+    leave the free count (e is then never read)."""
+    if pi[P_CACHING]:
+        _take(pi, store, extents, entries, claims, chain_table, rep, r, e, needed)
+    else:
+        rep[r, FREE_BLOCKS] -= needed
+
+
+@inline
+def _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end):
+    """s holds its blocks for tokens up to `end`: its slack counted, the blocks filled keyed."""
+    _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], 1)
+    if pi[P_CACHING]:
+        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+
+
 @jit
 def _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
            segments, store, extents, entries, claims, chain_table, order, memo):
@@ -852,14 +870,10 @@ def _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revive
             return False
         seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
         _touch(store, extents, entries, memo, rep, r)
-        _take(pi, store, extents, entries, claims, chain_table, rep, r, e, needed)
-    else:
-        rep[r, FREE_BLOCKS] -= needed
+    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
     seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
     seqs[s, KEYED] = num_hit
-    _count_slack(rep, r, seqs, s, size, 1)
-    if caching:
-        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+    _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end)
     return True
 
 
@@ -883,15 +897,10 @@ def _grow(pi, rep, r, seqs, s, num_new, segments, store, extents, entries, claim
     if caching and _grows_past_store(extents, rep, r, seqs, s, needed):
         return False
     _count_slack(rep, r, seqs, s, size, -1)
-    if caching:
-        _take(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
-    else:
-        rep[r, FREE_BLOCKS] -= needed
+    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
     seqs[s, BLOCKS] += needed
     seqs[s, SLOTS_TOKENS] = end
-    _count_slack(rep, r, seqs, s, size, 1)
-    if caching:
-        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+    _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end)
     return True
 
 
