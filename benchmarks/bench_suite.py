@@ -5,6 +5,7 @@ sim/engine/compiled, where it covers the run; else the Python engine on SimPy).
     python benchmarks/bench_suite.py                       # every benchmark, full size
     python benchmarks/bench_suite.py vidur_matched million # some of them
     python benchmarks/bench_suite.py --quick               # small sizes: checks they work
+    python benchmarks/bench_suite.py rag_agents_100k --repeat 5  # medians of five, interleaved
 
 Benchmarks:
 - vidur_matched: `+experiment=vidur_matched`, Vidur's reference set-up (Llama-2-70B on A100s,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -112,21 +114,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], default=[])
     parser.add_argument("--quick", action="store_true", help="small sizes, to check that each works")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of each benchmark's runs (interleaved, each in a fresh process); "
+                             "the prefix/paged line gives the medians")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give at least 1")
     rows = []
     print(f"{'benchmark':<16} {'size':>5} {'allocator':<9} {'loop s':>8} {'peak MB':>8} {'req/s':>9} "
           f"{'tokens/s':>11} {'steps/s':>9} {'events/s':>9} loop")
     for name in args.names or list(BENCHMARKS):
-        for label, allocator, overrides in BENCHMARKS[name][1 if args.quick else 0]:
-            row = run_one(name, label, allocator, overrides)
-            wall = max(row["wall_s"], 1e-9)
-            print(f"{name:<16} {label:>5} {allocator:<9} {row['wall_s']:>8.2f} {row['peak_rss_mb']:>8.0f} "
-                  f"{row['requests'] / wall:>9,.0f} {row['tokens'] / wall:>11,.0f} "
-                  f"{row['steps'] / wall:>9,.0f} {row['events'] / wall:>9,.0f} {row['loop']}", flush=True)
-            rows.append(row)
+        runs = BENCHMARKS[name][1 if args.quick else 0]
+        for _ in range(args.repeat):
+            for label, allocator, overrides in runs:
+                row = run_one(name, label, allocator, overrides)
+                wall = max(row["wall_s"], 1e-9)
+                print(f"{name:<16} {label:>5} {allocator:<9} {row['wall_s']:>8.2f} {row['peak_rss_mb']:>8.0f} "
+                      f"{row['requests'] / wall:>9,.0f} {row['tokens'] / wall:>11,.0f} "
+                      f"{row['steps'] / wall:>9,.0f} {row['events'] / wall:>9,.0f} {row['loop']}", flush=True)
+                rows.append(row)
         if name == "vidur_matched":
             print(f"  vidur_matched ran on {rows[-1]['parallelism']}")
+        for line in prefix_over_paged([r for r in rows if r["benchmark"] == name]):
+            print(line)
     return rows
+
+
+def prefix_over_paged(rows: list[dict]) -> list[str]:
+    """For each size run with both allocators: the median loop times and their ratio (issue 9's
+    target: the prefix allocator at most 1.5x the paged one's time)."""
+    lines = []
+    for size in dict.fromkeys(r["size"] for r in rows):
+        walls = {a: [r["wall_s"] for r in rows if r["size"] == size and r["allocator"] == a] for a in ("prefix", "paged")}
+        if walls["prefix"] and walls["paged"]:
+            prefix, paged = statistics.median(walls["prefix"]), statistics.median(walls["paged"])
+            lines.append(f"  {rows[0]['benchmark']} {size}: prefix/paged = {prefix:.2f} s / {paged:.2f} s = "
+                         f"{prefix / max(paged, 1e-9):.2f}x (medians of {len(walls['prefix'])} and "
+                         f"{len(walls['paged'])} runs; target at most 1.5x)")
+    return lines
 
 
 if __name__ == "__main__":

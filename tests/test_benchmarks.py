@@ -19,5 +19,18 @@ def test_quick_benchmarks_run_and_report_every_figure(capsys):
     assert [r["loop"] for r in rows] == ["compiled", "compiled", "compiled"]
     assert all(r["events"] >= r["steps"] for r in rows)
     printed = capsys.readouterr().out
-    assert "events/s" in printed and printed.count("\n") == 5
+    assert "events/s" in printed and printed.count("\n") == 6
     assert "vidur_matched ran on TP 2 x PP 2" in printed
+    [ratio] = [line for line in printed.splitlines() if "prefix/paged" in line]
+    expected = rows[1]["wall_s"] / rows[2]["wall_s"]
+    assert f"= {expected:.2f}x (medians of 1 and 1 runs" in ratio
+
+
+def test_the_ratio_line_takes_medians_of_each_allocators_runs():
+    rows = [{"benchmark": "b", "size": "1k", "allocator": a, "wall_s": w}
+            for a, w in (("prefix", 3.0), ("paged", 1.0), ("prefix", 9.0), ("paged", 2.0), ("prefix", 3.3),
+                         ("paged", 2.2))]
+    rows.append({"benchmark": "b", "size": "2k", "allocator": "paged", "wall_s": 1.0})  # no prefix run: no line
+    [line] = bench_suite.prefix_over_paged(rows)
+    assert line == ("  b 1k: prefix/paged = 3.30 s / 2.00 s = 1.65x (medians of 3 and 3 runs; "
+                    "target at most 1.5x)")
