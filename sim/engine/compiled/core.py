@@ -110,12 +110,12 @@ DONE, OUT_OF_ROWS, SUBMITS_DONE, STUCK, STORE_FULL = range(5)
 entry = numba.njit(cache=True, nogil=True, error_model="numpy")
 jit = numba.njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 # Small helpers called per sequence or per run of blocks are inlined where they are called, and
-# so is the pool's path from a running sequence's growth to the eviction of a cached block
-# (_grow, _take, _unclaim, _key_full_blocks) and the keying and walking of a prefix (_claim,
-# _key_range, _walk, _touch): a call passes each array as about ten words (data, shape,
-# strides), and a dozen of them cost more than the work (rag_agents_100k's prefix loop 1.80 ->
-# 1.39 s, benchmarks/README.md). Inlining more (_lookup, _release) measured no gain and a
-# longer first compile (55 -> 71 s).
+# so is most of the pool's path from a running sequence's growth to the eviction of a cached
+# block (_grow, _unclaim, _key_full_blocks; _take stays one call) and the keying and walking of
+# a prefix (_claim, _key_range, _walk, _touch): a call passes each array as about ten words
+# (data, shape, strides), and a dozen of them cost more than the work (rag_agents_100k's prefix
+# loop 1.80 -> 1.39 s, benchmarks/README.md). _take inlined too measured the same loop and a
+# first compile of 60 s against 44 s; inlining _lookup and _release measured no gain (71 s).
 inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always", error_model="numpy")
 
 
@@ -710,7 +710,7 @@ def _evict(pi, store, extents, claims, chain_table, rep, r, e, low, high):
     _drop_extent_if_done(extents, rep, r, e)
 
 
-@inline
+@jit
 def _take(pi, store, extents, entries, claims, chain_table, rep, r, e, count):
     """BlockPool.take in LRU's free order (each entry's blocks deepest first): count blocks,
     their keys dropped, become extent e's next blocks."""
