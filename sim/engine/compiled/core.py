@@ -29,9 +29,9 @@ import numpy as np
 
 # Sequence columns (int64).
 PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
-    SLOTS_TOKENS, BLOCKS, HAS_BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, EXTENT, HIT_BLOCKS, KEYED, \
-    SEGMENTS, NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(22)
-SEQ_INTS = 22
+    SLOTS_TOKENS, BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, EXTENT, HIT_BLOCKS, KEYED, \
+    SEGMENTS, NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(21)
+SEQ_INTS = 21
 PENDING, FINISHED, REJECTED = range(3)  # STATUS
 # Sequence columns (float64): ARRIVAL when the client sends it, SUBMIT when it reaches the engine
 # (serving_overhead_s later), THINK_S the think time before it once its previous turn is done.
@@ -871,7 +871,7 @@ def _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revive
         seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
         _touch(store, extents, entries, memo, rep, r)
     _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
-    seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 1, num_hit + needed, end
+    seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = num_hit + needed, end
     seqs[s, KEYED] = num_hit
     _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end)
     return True
@@ -924,7 +924,7 @@ def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_
         _drop_extent_if_done(extents, rep, r, e)
     else:
         rep[r, FREE_BLOCKS] += seqs[s, BLOCKS]
-    seqs[s, HAS_BLOCKS], seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0, 0
+    seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = 0, 0
 
 
 @inline
