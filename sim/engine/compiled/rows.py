@@ -90,9 +90,11 @@ def _read_keys(requests, next_turn: list[int], output_content: np.ndarray) -> Pr
     owned_requests = [requests[i] for i in owned.tolist()]
     owned_counts = counts[owned]
     total = int(owned_counts.sum())
-    # Each owned request's prefix ids: one before each segment, then the whole prompt's.
-    first_id = np.zeros(len(requests), dtype=np.int64)
-    first_id[owned] = np.cumsum(owned_counts + 1) - (owned_counts + 1)
+    # Per owned request: its first segment row, and its first prefix id (one before each
+    # segment, then the whole prompt's: one more per owned request before it).
+    first_row = np.cumsum(owned_counts) - owned_counts
+    first_id = first_row + np.arange(len(owned))
+    owner_rank = np.searchsorted(owned, owners)
     prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), owned_requests)), dtype=np.int64,
                              count=total + len(owned_requests))
     segments = np.empty((total, 3), dtype=np.int64)
@@ -100,10 +102,10 @@ def _read_keys(requests, next_turn: list[int], output_content: np.ndarray) -> Pr
                                  dtype=np.int64, count=total)
     segments[:, 1] = np.fromiter(map(itemgetter(0), chain.from_iterable(map(attrgetter("segments"), owned_requests))),
                                  dtype=np.int64, count=total)
-    segments[:, 2] = np.delete(prefix_ids, first_id[owned] + owned_counts)
+    segments[:, 2] = np.delete(prefix_ids, first_id + owned_counts)
     # A request's whole prompt is its owner's prefix before the request's segment count.
-    prompt_prefix = prefix_ids[first_id[owners] + counts]
-    return PromptKeys(output_content, prompt_prefix, counts, first_id[owners] - np.searchsorted(owned, owners), segments)
+    prompt_prefix = prefix_ids[first_id[owner_rank] + counts]
+    return PromptKeys(output_content, prompt_prefix, counts, first_row[owner_rank], segments)
 
 
 def _row_owners(prefix_lists: list[tuple[int, ...]], next_turn: list[int]) -> np.ndarray:
