@@ -181,6 +181,7 @@ def simulate_compiled(setup, workload, allocator, router, recorder: Recorder, on
     rep[:, core.QUEUE_HEAD] = rep[:, core.QUEUE_TAIL] = 0  # the entry of blocks never used
     rep[:, core.FREE_ENTRIES] = rep[:, core.FREE_EXTENTS] = rep[:, core.FREE_CLAIMS] = -1
     rep[:, core.UNUSED_ENTRIES] = 1
+    rep[:, core.BLOCKED_HEAD] = -1
     pool = _pool(allocator, num_replicas, max_seqs, spec.max_model_len, requests, seqs)
     rep[:, core.CHAIN_MASK] = min(pool[core.POOL_CHAIN_TABLE].shape[1] // 2, FIRST_CHAIN_ROWS) - 1
     ints, floats = _parameters(setup, allocator, router)
