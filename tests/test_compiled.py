@@ -238,18 +238,74 @@ def test_a_turn_reads_its_next_turns_segment_rows_only_when_its_prompt_starts_th
         requests = tuple(make_request(interner, next(ids), segments, 5, 1000 + next(ids), session_id=session_id,
                                       turn=turn) for turn, segments in enumerate(turns))
         sessions.append(Session(session_id, float(session_id), requests))
-    held, in_prompts = _segment_rows_match_requests(Workload(tuple(sessions)))
-    assert in_prompts == 17
-    assert held == 4 + 4 + 3  # each run of growing turns holds its last turn's rows
+    # Read from each request's tuples, and from the interner's tree by whole-prompt ids.
+    for tree in (None, interner.tree):
+        held, in_prompts = _segment_rows_match_requests(Workload(tuple(sessions), prefix_tree=tree))
+        assert in_prompts == 17
+        assert held == 4 + 4 + 3  # each run of growing turns holds its last turn's rows
 
 
 @pytest.mark.parametrize("scenario", ["rag_agents", "chat"])
 def test_each_requests_segment_rows_are_its_own_prompts(scenario):
     """Scenarios whose turns grow hold each session's rows about once, every request finding its
-    own."""
+    own, read from the interner's tree or from the requests' tuples alike."""
+    from dataclasses import replace
+
     from sim.run import build_workload
-    held, in_prompts = _segment_rows_match_requests(build_workload(compose_config("run", [f"scenario={scenario}"]), 0))
-    assert held < in_prompts / 2
+    workload = build_workload(compose_config("run", [f"scenario={scenario}"]), 0)
+    for tree in (workload.prefix_tree, None):
+        held, in_prompts = _segment_rows_match_requests(replace(workload, prefix_tree=tree))
+        assert held < in_prompts / 2
+
+
+def _tree_only(monkeypatch):
+    """Reading keys from the requests' tuples fails from here on."""
+    from sim.engine.compiled import rows
+
+    def refused(*args):
+        raise AssertionError("keys read from the requests' tuples, not the interner's tree")
+    monkeypatch.setattr(rows, "_keys_from_tuples", refused)
+
+
+@pytest.mark.parametrize("overrides", [["scenario=rag_agents"], ["scenario=chat"], ["scenario=sharegpt"],
+                                       ["scenario=trace", "trace.path=sample:agentic"],
+                                       ["scenario=trace", "trace.path=sample:mooncake", "trace.repeat=2"]])
+def test_every_workload_builder_hands_its_interner_over(overrides, monkeypatch):
+    """Each builder's workload carries the interner of its prefix ids (Workload.prefix_tree), so
+    that a prefix cache's run reads its keys from the tree: right, and without the Python work
+    per segment."""
+    from sim.run import build_workload
+    workload = build_workload(compose_config("run", overrides), 0)
+    _tree_only(monkeypatch)
+    _segment_rows_match_requests(workload)
+
+
+def test_truncated_prompts_are_read_with_their_new_interner(monkeypatch):
+    """trace.on_overlength=truncate rebuilds the requests with an interner of its own, which the
+    workload then carries (the old one's ids no longer name their prefixes)."""
+    from sim.workload.overlength import truncate_overlength
+    from sim.workload.trace import TraceSpec, build_workload
+    workload = build_workload(TraceSpec(path="sample:mooncake", format="mooncake", max_requests=40), 0)
+    truncated = truncate_overlength(workload, 2048)
+    assert truncated.num_truncated_prompts > 0 and truncated.prefix_tree is not workload.prefix_tree
+    _tree_only(monkeypatch)
+    _segment_rows_match_requests(truncated)
+
+
+def test_an_interner_that_did_not_make_the_requests_is_not_read(monkeypatch):
+    """The tree of another workload's interner (another seed of the same scenario: the same
+    kinds of prompts, other ids) are found not to match, and the keys come from the requests."""
+    from dataclasses import replace
+
+    from sim.engine.compiled import rows
+    from sim.run import build_workload
+    cfg = compose_config("run", ["scenario=rag_agents"])
+    workload, other = build_workload(cfg, 0), build_workload(cfg, 1)
+    read = []
+    tuples = rows._keys_from_tuples
+    monkeypatch.setattr(rows, "_keys_from_tuples", lambda *args: read.append(1) or tuples(*args))
+    _segment_rows_match_requests(replace(workload, prefix_tree=other.prefix_tree))
+    assert read == [1]
 
 
 def test_the_pool_takes_small_pages_and_gives_numpy_its_setting_back():

@@ -60,4 +60,4 @@ class ChatSpec:
                 request_id += 1
                 segments = [*segments, (request.output_content_id, output_len)]
             sessions.append(Session(session_id, float(arrivals[session_id]), tuple(turns)))
-        return Workload(tuple(sessions))
+        return Workload(tuple(sessions), prefix_tree=interner.tree)

@@ -49,4 +49,4 @@ def truncate_overlength(workload: Workload, max_model_len: int) -> Workload:
                                    think_time_s=t.think_time_s, n=t.n, chain=t.chain)
             turns.append(rebuilt)
         sessions.append(replace(session, turns=tuple(turns)))
-    return replace(workload, sessions=tuple(sessions), num_truncated_prompts=num_truncated)
+    return replace(workload, sessions=tuple(sessions), num_truncated_prompts=num_truncated, prefix_tree=interner.tree)

@@ -83,4 +83,4 @@ def generate(spec: RagAgentsSpec, seed: int) -> Workload:
             tool_result = int(lognormal_tokens(session_rng, spec.tool_result_tokens_mean, sigma))
             segments = [*segments, (request.output_content_id, output_len), (next_content(), tool_result)]
         sessions.append(Session(session_id, float(arrival_times[session_id]), tuple(turns)))
-    return Workload(tuple(sessions))
+    return Workload(tuple(sessions), prefix_tree=interner.tree)

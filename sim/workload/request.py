@@ -11,6 +11,7 @@ request's own content id, so a follow-up turn that quotes it shares its blocks.
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,11 +25,25 @@ def pack_key(prefix_id: int, content_id: int, offset: int) -> int:
     return (((prefix_id << KEY_FIELD_BITS) | content_id) << KEY_FIELD_BITS) | offset
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixTree:
+    """An interner's prefixes by id (0: the empty prefix), in machine integers (numpy reads
+    them without a copy): each one's parent (the prefix before its last segment), that
+    segment's content id, the prefix's tokens and its segments. A request's segments can be
+    read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so)."""
+    parents: array = field(default_factory=lambda: array("q", [0]))
+    contents: array = field(default_factory=lambda: array("q", [0]))
+    tokens: array = field(default_factory=lambda: array("q", [0]))
+    depths: array = field(default_factory=lambda: array("q", [0]))
+
+
 class PrefixInterner:
-    """Gives each distinct segment chain a small integer; 0 is the empty prefix."""
+    """Gives each distinct segment chain a small integer; 0 is the empty prefix. Its tree
+    (PrefixTree) outlives it in the workload; the dictionary is only needed while interning."""
 
     def __init__(self):
         self._ids: dict[tuple[int, int, int], int] = {}
+        self.tree = PrefixTree()
 
     @property
     def num_prefixes(self) -> int:
@@ -40,6 +55,11 @@ class PrefixInterner:
         found = self._ids.get(key)
         if found is None:
             found = self._ids[key] = len(self._ids) + 1
+            tree = self.tree
+            tree.parents.append(prefix_id)
+            tree.contents.append(content_id)
+            tree.tokens.append(tree.tokens[prefix_id] + num_tokens)
+            tree.depths.append(tree.depths[prefix_id] + 1)
         return found
 
 
@@ -196,6 +216,9 @@ class Workload:
     # Requests in flight at most, over the whole cluster (a benchmark client's semaphore); a
     # request arriving when that many are in flight is sent when one finishes. None: no cap.
     max_concurrency: int | None = None
+    # The tree of the interner that gave the requests' prefix ids (of one copy, for a streamed
+    # repeat), if known: the compiled loop then reads their keys from it (sim.engine.compiled.rows).
+    prefix_tree: PrefixTree | None = None
 
     # A streamed repeat (RepeatedSessions) answers these without building its copies.
     @property
@@ -235,4 +258,4 @@ def independent_requests(arrivals, prompts, output_lens, next_content, n: int = 
     for i, (arrival, segments, output_len) in enumerate(zip(arrivals, prompts, output_lens)):
         request = make_request(interner, i, segments, int(output_len), next_content(), session_id=i, n=n)
         sessions.append(Session(i, float(arrival), (request,)))
-    return Workload(tuple(sessions))
+    return Workload(tuple(sessions), prefix_tree=interner.tree)

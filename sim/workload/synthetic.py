@@ -51,4 +51,4 @@ class SyntheticSpec:
             request = make_request(interner, i, [(2 * i + 1, int(inputs[i]))], int(outputs[i]),
                                    2 * i + 2, session_id=i, n=self.n, priority=int(priorities[i]))
             sessions.append(Session(i, float(arrivals[i]), (request,)))
-        return Workload(tuple(sessions))
+        return Workload(tuple(sessions), prefix_tree=interner.tree)

@@ -320,4 +320,4 @@ def build_workload(spec: TraceSpec, seed: int, stream: bool = True) -> Workload:
         shift = CopyShift(requests=request_id, sessions=len(session_ids), contents=next_id() - 1,
                           prefixes=interner.num_prefixes, period_s=period)
         sessions = RepeatedSessions(sessions, spec.repeat, shift)
-    return Workload(sessions, skipped, failed, fmt.name)
+    return Workload(sessions, skipped, failed, fmt.name, prefix_tree=interner.tree)
