@@ -308,6 +308,30 @@ def test_an_interner_that_did_not_make_the_requests_is_not_read(monkeypatch):
     assert read == [1]
 
 
+def test_a_tree_of_prompts_of_the_same_shapes_but_other_contents_is_not_read(monkeypatch):
+    """Every request's segment count and tokens agree with the foreign tree (PrefixTable.matches
+    passes), its contents and parents do not: the sampled read-back (PrefixTable.holds) refuses
+    it, and a workload with a tree still hashes and compares by its sessions."""
+    from dataclasses import replace
+
+    from sim.engine.compiled import rows
+    from sim.workload.request import independent_requests
+
+    def workload(first, second, third):
+        contents = iter(range(100, 200)).__next__
+        return independent_requests([0.0, 1.0, 2.0], [[(first, 32)], [(second, 32)], [(third, 32), (first + 2, 32)]],
+                                    [4, 4, 4], contents)
+    own, foreign = workload(20, 21, 21), workload(10, 11, 10)
+    read = []
+    tuples = rows._keys_from_tuples
+    monkeypatch.setattr(rows, "_keys_from_tuples", lambda *args: read.append(1) or tuples(*args))
+    _segment_rows_match_requests(replace(own, prefix_tree=foreign.prefix_tree))
+    assert read == [1]
+    _segment_rows_match_requests(own)
+    assert read == [1]  # its own tree is read
+    assert hash(own) == hash(replace(own, prefix_tree=None)) and own == replace(own, prefix_tree=None)
+
+
 def test_the_pool_takes_small_pages_and_gives_numpy_its_setting_back():
     """The pool's arrays are allocated with numpy's huge-page advice off (driver._small_pages);
     numpy's own setting is restored after, whichever it was."""

@@ -25,12 +25,14 @@ def pack_key(prefix_id: int, content_id: int, offset: int) -> int:
     return (((prefix_id << KEY_FIELD_BITS) | content_id) << KEY_FIELD_BITS) | offset
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PrefixTree:
     """An interner's prefixes by id (0: the empty prefix), in machine integers (numpy reads
     them without a copy): each one's parent (the prefix before its last segment), that
     segment's content id, the prefix's tokens and its segments. A request's segments can be
-    read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so)."""
+    read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so).
+    An array('q') cannot grow while a numpy view of it lives (BufferError): readers copy the
+    columns (rows.PrefixTable.of). Compared and hashed by identity."""
     parents: array = field(default_factory=lambda: array("q", [0]))
     contents: array = field(default_factory=lambda: array("q", [0]))
     tokens: array = field(default_factory=lambda: array("q", [0]))
@@ -218,7 +220,7 @@ class Workload:
     max_concurrency: int | None = None
     # The tree of the interner that gave the requests' prefix ids (of one copy, for a streamed
     # repeat), if known: the compiled loop then reads their keys from it (sim.engine.compiled.rows).
-    prefix_tree: PrefixTree | None = None
+    prefix_tree: PrefixTree | None = field(default=None, compare=False)
 
     # A streamed repeat (RepeatedSessions) answers these without building its copies.
     @property
