@@ -873,9 +873,9 @@ def _still_blocked(pi, rep, r, seqs, s, budget, full_tokens, watermark):
     it (for a fixed budget, chunked or not: a hit beyond the budget's blocks only shortens the
     prompt's tail), and a lookup's revived blocks only lower the free ones, so h's requirement
     above the free blocks means h' fails too. At rag_agents_100k 151,280 of 382,817 lookups.
-    (A keying today never lifts a blocked head over the line: it takes at least the blocks it
-    adds to the hit, and output keys are each request's own. Requiring none keeps the skip exact
-    without that argument; 400 random shared-prefix workloads ran the same without it.)"""
+    (Requiring no keying is needed: a running sequence's chunk that fills a block it took with
+    its previous chunk keys one block more than it takes, and can lift a head sharing that
+    prefix over the line; 400 random shared-prefix workloads never met that case.)"""
     if s != rep[r, BLOCKED_HEAD] or rep[r, KEYINGS] != rep[r, BLOCKED_KEYINGS]:
         return False
     hit = rep[r, BLOCKED_HIT]
