@@ -309,8 +309,8 @@ def test_an_interner_that_did_not_make_the_requests_is_not_read(monkeypatch):
 
 
 def test_a_tree_of_prompts_of_the_same_shapes_but_other_contents_is_not_read(monkeypatch):
-    """Every request's segment count and tokens agree with the foreign tree (PrefixTable.matches
-    passes), its contents and parents do not: the sampled read-back (PrefixTable.holds) refuses
+    """Every request's segment count and tokens agree with the foreign tree (the first checks of
+    PrefixTable.made pass), its contents and parents do not: the sampled read-back refuses
     it, and a workload with a tree still hashes and compares by its sessions."""
     from dataclasses import replace
 

@@ -88,14 +88,14 @@ def _read_keys(requests, next_turn: np.ndarray, prompt: np.ndarray, output_conte
     a session's rows are read once: a conversation's turns repeat every segment before (at
     rag_agents_100k 320,016 rows for 1,194,150 prompt segments). With the interner that gave the
     prefix ids (Workload.prefix_tree), a request's segments are read from its tree by its whole
-    prompt's id alone (_keys_from_table); without it, or with a tree that does not match the
-    requests (PrefixTable.matches, PrefixTable.holds), from each request's tuples (_keys_from_tuples, Python work per segment: at
-    rag_agents_100k the keys take 0.19 s so, 0.08 s from the tree)."""
+    prompt's id alone (_keys_from_table); without it, or with a tree that is not the requests'
+    own (PrefixTable.made), from each request's tuples (_keys_from_tuples, Python work per
+    segment: at rag_agents_100k the keys take 0.19 s so, 0.08 s from the tree)."""
     prefix_lists = list(map(attrgetter("prefix_ids"), requests))
     counts = np.fromiter(map(len, prefix_lists), dtype=np.int64, count=len(requests)) - 1
     whole = np.fromiter(map(itemgetter(-1), prefix_lists), dtype=np.int64, count=len(requests))
     table = None if tree is None else PrefixTable.of(tree)
-    if table is not None and table.matches(whole, counts, prompt) and table.holds(requests, whole):
+    if table is not None and table.made(requests, whole, counts, prompt):
         return _keys_from_table(table, whole, counts, next_turn, output_content)
     return _keys_from_tuples(requests, prefix_lists, counts, next_turn, output_content)
 
@@ -113,17 +113,17 @@ class PrefixTable:
         return cls(*(np.frombuffer(column, dtype=np.int64).copy() for column in
                      (tree.parents, tree.contents, tree.tokens, tree.depths)))
 
-    def matches(self, whole: np.ndarray, counts: np.ndarray, prompt: np.ndarray) -> bool:
-        """Whether each request's whole-prompt id is one of the table's, of its segments and tokens."""
+    def made(self, requests, whole: np.ndarray, counts: np.ndarray, prompt: np.ndarray,
+             samples: int = 256) -> bool:
+        """Whether the tree is the requests' own: each request's whole-prompt id is one of its
+        ids, of the request's segments and tokens, and the prompts of up to `samples` requests
+        spread over the run read back from it as they are (every segment's prefix id, content id
+        and start). A tree that is not theirs, or that some of them were rebuilt past, is found
+        in all but contrived cases."""
         if len(whole) and not 0 <= whole.min() <= whole.max() < len(self.depths):
             return False
-        return bool((self.depths[whole] == counts).all() and (self.tokens[whole] == prompt).all())
-
-    def holds(self, requests, whole: np.ndarray, samples: int = 256) -> bool:
-        """Whether the prompts of up to `samples` requests spread over the run read back from
-        the tree as they are (every segment's prefix id, content id and start): with matches()
-        (every request's segments and tokens), a tree that is not the requests' own, or that
-        some of them were rebuilt past, is found in all but contrived cases."""
+        if not ((self.depths[whole] == counts).all() and (self.tokens[whole] == prompt).all()):
+            return False
         for i in np.unique(np.linspace(0, len(requests) - 1, min(samples, len(requests))).astype(np.int64)).tolist():
             request, node, segments = requests[i], int(whole[i]), []
             while node:
@@ -152,10 +152,7 @@ def _keys_from_table(table: PrefixTable, whole: np.ndarray, counts: np.ndarray, 
     following = np.maximum(next_turn, 0)
     starts_next = (next_turn >= 0) & (counts[following] >= counts) & (
         table.ancestors(whole[following], counts) == whole)
-    owners = _owners(starts_next)
-    owned = np.flatnonzero(owners == np.arange(len(owners)))
-    owned_counts = counts[owned]
-    first_row = np.cumsum(owned_counts) - owned_counts
+    owned, owned_counts, first_row, owner_rank = _owned_rows(_owners(starts_next), counts)
     # Row first_row + k of an owner holds the prefix after its segment k: its whole prompt's id,
     # then each parent in turn, filled from the last row up.
     ids = np.empty(int(owned_counts.sum()), dtype=np.int64)
@@ -167,21 +164,18 @@ def _keys_from_table(table: PrefixTable, whole: np.ndarray, counts: np.ndarray, 
         filling = filling[table.depths[cursor[filling]] > 0]
     before = table.parents[ids]
     segments = np.stack([table.tokens[before], table.contents[ids], before], axis=1)
-    return PromptKeys(output_content, whole, counts, first_row[np.searchsorted(owned, owners)], segments)
+    return PromptKeys(output_content, whole, counts, first_row[owner_rank], segments)
 
 
 def _keys_from_tuples(requests, prefix_lists, counts: np.ndarray, next_turn: np.ndarray,
                       output_content: np.ndarray) -> PromptKeys:
-    owners = _owners(_starts_next_from_tuples(prefix_lists, next_turn))
-    owned = np.flatnonzero(owners == np.arange(len(requests)))
+    owned, owned_counts, first_row, owner_rank = _owned_rows(
+        _owners(_starts_next_from_tuples(prefix_lists, next_turn)), counts)
     owned_requests = [requests[i] for i in owned.tolist()]
-    owned_counts = counts[owned]
     total = int(owned_counts.sum())
-    # Per owned request: its first segment row, and its first prefix id (one before each
-    # segment, then the whole prompt's: one more per owned request before it).
-    first_row = np.cumsum(owned_counts) - owned_counts
+    # Per owned request: its first prefix id (one before each segment, then the whole prompt's:
+    # one more per owned request before it).
     first_id = first_row + np.arange(len(owned))
-    owner_rank = np.searchsorted(owned, owners)
     prefix_ids = np.fromiter(chain.from_iterable(map(attrgetter("prefix_ids"), owned_requests)), dtype=np.int64,
                              count=total + len(owned_requests))
     segments = np.empty((total, 3), dtype=np.int64)
@@ -202,6 +196,14 @@ def _starts_next_from_tuples(prefix_lists: list[tuple[int, ...]], next_turn: np.
         (following >= 0 and len(prefix_lists[following]) > len(ids) - 1
          and prefix_lists[following][len(ids) - 1] == ids[-1]
          for ids, following in zip(prefix_lists, next_turn.tolist())), dtype=bool, count=len(prefix_lists))
+
+
+def _owned_rows(owners: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The requests that own segment rows, their segment counts and first rows, and each
+    request's owner's rank among them."""
+    owned = np.flatnonzero(owners == np.arange(len(owners)))
+    owned_counts = counts[owned]
+    return owned, owned_counts, np.cumsum(owned_counts) - owned_counts, np.searchsorted(owned, owners)
 
 
 def _owners(starts_next: np.ndarray) -> np.ndarray:
