@@ -13,7 +13,13 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from calibration.fit import fit_profile, operator_params, predict, prepare
+from calibration.fit import (
+    fit_profile,
+    gemm_operator,
+    operator_params,
+    predict,
+    prepare,
+)
 from calibration.gpus import base_profile, check_profile_name
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
@@ -134,9 +140,18 @@ def predict_task(cfg: DictConfig) -> None:
         except (KeyError, ValueError) as exc:
             raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
                            f"give {op} rows numbers for {', '.join(c for c in needed if c != 'dtype')}"
-                           + (" and a dtype of fp16, bf16, fp8 or fp32" if "dtype" in needed else "")) from None
-        out[index] = (engine_all_reduce(rows, profile) if op == "all_reduce"
-                      else predict(prepared, profile, op, operator_params(profile, op)))
+                           + (" and a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in needed else "")) from None
+        if op == "all_reduce":
+            out[index] = engine_all_reduce(rows, profile)
+        elif op == "gemm":  # each dtype's own operator (gemm_fp8, gemm_fp4), as the simulator picks it
+            if (prepared.dtype == "nvfp4").any() and not profile.get("fp4_flops_per_s"):
+                raise RawError(f"op=gemm rows of dtype nvfp4 need FP4 tensor cores, which gpu={cfg.gpu} lacks, "
+                               f"{shapes_path}, use a Blackwell profile (gpu=b200) or another dtype")
+            for dtype, part in prepared.groupby("dtype").indices.items():
+                params = operator_params(profile, gemm_operator(profile, dtype))
+                out[index[part]] = predict(prepared.iloc[part], profile, op, params)
+        else:
+            out[index] = predict(prepared, profile, op, operator_params(profile, op))
     result = shapes.assign(time_s=out)
     tmp = Path(str(cfg.out) + ".tmp")
     result.to_csv(tmp, index=False)

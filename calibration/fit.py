@@ -16,7 +16,7 @@ import pandas as pd
 from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
 from sim.latency.operators import ring_latency_split
-from sim.latency.profile import FALLBACKS, OPERATORS
+from sim.latency.profile import FALLBACKS, GPU_UNIT_FALLBACKS, OPERATORS
 
 SIMULATOR_OPERATORS = set(OPERATORS) | set(FALLBACKS)  # what sim.latency.profile reads
 
@@ -29,10 +29,22 @@ UNIDENTIFIED_LOSS = 1e-3  # an efficiency the data cannot tell from the prior's 
 ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "t0_s", "per_seq_s", "causal_efficiency")
 
 
+# Quantized GEMMs: dtype -> (the profile's operator, its peak), as sim.latency.calibrated times them.
+QUANTIZED_GEMMS = {"fp8": ("gemm_fp8", "fp8_flops_per_s"), "nvfp4": ("gemm_fp4", "fp4_flops_per_s")}
+
+
 def _peak(profile: dict, op: str, dtype: str) -> float:
-    if op == "gemm" and dtype == "fp8" and profile.get("fp8_flops_per_s"):
-        return float(profile["fp8_flops_per_s"])
+    operator, peak = QUANTIZED_GEMMS.get(dtype, (None, None))
+    if op == "gemm" and operator and profile.get(peak):
+        return float(profile[peak])
     return float(profile["bf16_flops_per_s"])
+
+
+def gemm_operator(profile: dict, dtype: str) -> str:
+    """The profile operator whose efficiencies time a GEMM of dtype (the simulator's choice):
+    gemm_fp8 or gemm_fp4 where the GPU has the type's peak, else the 16-bit gemm."""
+    operator, peak = QUANTIZED_GEMMS.get(dtype, (None, None))
+    return operator if operator and profile.get(peak) else "gemm"
 
 
 def _bandwidth(profile: dict, op: str) -> float:
@@ -304,7 +316,8 @@ def operator_params(profile: dict, op: str) -> dict:
     efficiency."""
     key = operator_key(op)
     raw = (profile["operators"].get(key) or profile.get("extra_operators", {}).get(op)
-           or (FALLBACKS[key](profile) if key in FALLBACKS else profile["operators"]["gemm"]))
+           or (FALLBACKS[key](profile) if key in FALLBACKS else
+               GPU_UNIT_FALLBACKS[key](profile) if key in GPU_UNIT_FALLBACKS else profile["operators"]["gemm"]))
     link = raw.get("link_efficiency", 1.0)
     return {**raw, "compute_efficiency": raw.get("compute_efficiency", link),
             "memory_efficiency": raw.get("memory_efficiency", link)}

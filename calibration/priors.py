@@ -9,6 +9,9 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
   (mamf-finder.py, best shape, mean of 100 iterations): A100 SXM 271.2 of 312 bf16 TFLOP/s;
   H100 SXM 794.5 of 989 bf16 and 1402.6 of 1979 fp8 ("H200 is the same" for bf16); H200 fp8
   1453.4 of 1979; B200 1745.0 of 2250 bf16 and 3432.5 of 4500 fp8.
+- B200 FP4: stas00/ml-engineering's TFLOPS comparison table (w/o sparsity) B200 SXM fp4 9000;
+  DeepGEMM PR #348 (B200, CUDA 12.9): cuBLASLt block-scaled FP4 GEMM 8192^3 5239 TFLOP/s
+  (docs/validation.md item 8 checks it against flashinfer PR #1979 and vLLM PR #20646).
 - AMD ROCm blog "Measuring max-achievable FLOPs, part 2" (2025-02-28): MI300X 708 bf16 and
   1273 fp8 TFLOP/s (hipblaslt-bench).
 - vLLM PR #49363: H100 bf16 GEMM, N=12288 K=5376, M=1 at 2.870 TFLOP/s, i.e. 132 MB of weights in
@@ -96,6 +99,17 @@ class Figure:
     source: str
 
 
+# B200 FP4: 9,000 dense TFLOP/s (stas00 ml-engineering compute/accelerator "TFLOPS comparison
+# table", w/o sparsity: B200 SXM fp8 4500, fp4 9000; NVIDIA's HGX B200 sheet gives 18 PFLOPS with
+# sparsity). Achieved: DeepGEMM PR #348 (B200, CUDA 12.9), cuBLASLt block-scaled FP4 (MXFP4) at
+# 8192^3 5,239 TFLOP/s, the same kind of best-shape figure as the MAMF ones above. It checks
+# against NVFP4 at a medium shape, flashinfer PR #1979 (B200, m=1024 n=7168 k=4608): 3,441
+# (CUTLASS) to 3,841 TFLOP/s, where this prior's roofline gives 4,000 (docs/validation.md).
+B200_FP4_PEAK = 9000e12
+B200_FP4_GEMM = Figure(round(5239 / 9000, 4), "prior:DeepGEMM PR #348 B200 cuBLASLt block-scaled FP4 GEMM "
+                                               "8192^3 5239 of 9000 TFLOP/s (stas00 table: B200 fp4 9000 dense)")
+
+
 @dataclass(frozen=True)
 class Priors:
     gemm: Figure             # 16-bit GEMM compute efficiency
@@ -104,6 +118,7 @@ class Priors:
     link: Figure             # all-reduce bus bandwidth over the per-direction link bandwidth
     fabric: str              # nvlink or pcie (NCCL's per-step latency; peer-to-peer custom all-reduce on nvlink)
     nvls: Figure | None = None  # NVLS algorithm bandwidth over the per-direction link (None: no NVSwitch 3)
+    fp4: tuple[float, Figure] | None = None  # FP4 tensor cores: (dense peak FLOP/s, NVFP4 GEMM efficiency)
 
 
 def _mamf(tflops: float, peak: float, what: str) -> Figure:
@@ -129,7 +144,8 @@ PRIORS = {
                    Figure(0.772, "prior:NCCL #2140 8x B300 (NVLink 5) busbw 695 of 900 GB/s without NVLS; "
                                  "no B200 ring figure found"), "nvlink",
                    Figure(round(B200_NVLS_BUSBW * 8 / 14 / 900e9, 4),
-                          "prior:stas00 8x B200 all-reduce busbw 845.67 GB/s at 16 GiB (NVLS), as algbw of 900 GB/s")),
+                          "prior:stas00 8x B200 all-reduce busbw 845.67 GB/s at 16 GiB (NVLS), as algbw of 900 GB/s"),
+                   (B200_FP4_PEAK, B200_FP4_GEMM)),
     "l40s": Priors(Figure(H100_GEMM.value, "prior:no public L40S matmul figure found; the H100's MAMF share"),
                    Figure(H100_FP8.value, "prior:no public L40S fp8 matmul figure found; the H100's MAMF share"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
@@ -185,6 +201,10 @@ def with_priors(profile: dict) -> dict:
     elif priors.gemm_fp8:
         replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
                                     "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}
+    if priors.fp4:
+        replacements["gemm_fp4"] = {**gemm, "compute_efficiency": priors.fp4[1].value,
+                                    "source": f"{priors.fp4[1].source}; {priors.memory.source}; {GEMM_T0.source}"}
+        profile = {**profile, "fp4_flops_per_s": priors.fp4[0]}
     for name, values in replacements.items():
         if not _kept(ops.get(name)):
             ops[name] = dict(values)

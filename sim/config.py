@@ -234,7 +234,7 @@ class EngineSpec:
     step_exact: bool = False
     engine: str = "auto"  # auto | compiled | python (sim.engine.compiled.scope)
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
-    quantization: Optional[str] = None  # fp8: FP8 weights (and GEMMs), as vLLM's --quantization fp8
+    quantization: Optional[str] = None  # fp8 or nvfp4: the weights (and GEMMs) in that type, as vLLM's --quantization
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
@@ -252,7 +252,9 @@ def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 VLLM_CAPTURE_SIZES = vllm_capture_sizes(256)
-QUANTIZATIONS = (None, "fp8")
+# vLLM's --quantization values kvsim models -> the weights' dtype (modelopt_fp4 is what vLLM calls
+# an NVFP4 checkpoint from NVIDIA's ModelOpt; TensorRT-LLM calls it NVFP4).
+QUANTIZATIONS = {None: None, "fp8": "fp8", "nvfp4": "nvfp4", "modelopt_fp4": "nvfp4"}
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -312,7 +314,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["kv_cache_memory_bytes"] is None or c["kv_cache_memory_bytes"] > 0, "kv_cache_memory_bytes",
              "kv_cache_memory_bytes must be positive", "give bytes per GPU or null")
     _require(c["quantization"] in QUANTIZATIONS, "quantization",
-             f"unknown quantization '{c['quantization']}'", "use fp8 or null (the model's own weights)")
+             f"unknown quantization '{c['quantization']}'",
+             "use fp8, nvfp4 (modelopt_fp4; FP4 GPUs only) or null (the model's own weights)")
     _require(c["cluster"]["router_staleness_s"] >= 0, "cluster.router_staleness_s",
              f"cluster.router_staleness_s={c['cluster']['router_staleness_s']} is negative",
              "give seconds >= 0 (0: the router reads replicas live)")
@@ -338,7 +341,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         on_overlength=c["trace"]["on_overlength"], warmup_s=c["measure"]["warmup_s"],
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"], engine=c["engine"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
-        quantization=c["quantization"], pipeline_parallel_size=c["pipeline_parallel_size"],
+        quantization=QUANTIZATIONS[c["quantization"]], pipeline_parallel_size=c["pipeline_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
         async_output_processing=c["async_output_processing"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),

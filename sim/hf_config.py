@@ -168,10 +168,15 @@ def _dtypes(r: _Reader, notes: list[str]) -> dict:
     quant = r.get("quantization_config")
     if isinstance(quant, dict):
         method = quant.get("quant_method")
+        algo = str((quant.get("quantization") or quant).get("quant_algo") or "").upper()
         if method == "fp8":
             out["weight_dtype"] = "fp8"
             block = quant.get("weight_block_size") or [0]
             out["weight_block_size"] = int(block[0])
+        elif method == "modelopt" and algo in ("NVFP4", "FP8"):  # NVIDIA ModelOpt exports, as vLLM reads them
+            out["weight_dtype"] = "nvfp4" if algo == "NVFP4" else "fp8"
+            notes.append(f"ModelOpt {algo} checkpoint: its exclude_modules and kv_cache_quant_algo are not read "
+                         "(kv_cache_dtype sets the KV's type)")
         else:
             notes.append(f"quantization_config quant_method={method} is not modelled: weights counted "
                          f"in {out['weight_dtype']}")

@@ -40,7 +40,9 @@ from dataclasses import dataclass, fields
 
 from sim.errors import ConfigError
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+# NVFP4 (weights only): a 4-bit E2M1 value and an FP8 E4M3 scale per block of 16 values.
+NVFP4_BLOCK = 16
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4, "nvfp4": 0.5 + 1 / NVFP4_BLOCK}
 STATE_DTYPES = ("bf16", "fp16", "fp32")  # an SSM state's (vLLM's mamba_ssm_cache_dtype)
 LAYER_KINDS = ("full", "mla", "sliding", "chunked", "compressed", "dsa", "shared", "state", "mlp")
 WINDOWED = ("sliding", "chunked")  # kinds whose blocks leave once their tokens leave the window

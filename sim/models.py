@@ -20,6 +20,7 @@ from sim.kv_layout import (DTYPE_BYTES, NO_ATTENTION, PLAIN_ATTENTION, KindUsage
                            kind_usage, layer_group, padded_layer_counts, state_block_size)
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "nvfp4")
 # vLLM's kv_cache_dtype values; "auto" keeps the model's own KV dtype.
 KV_CACHE_DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8",
                    "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
@@ -68,10 +69,12 @@ class ModelSpec:
         if self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"attention kind '{self.attention}' is not one of "
                               f"{', '.join(ATTENTION_KINDS)}, {where}, fix the model YAML")
-        for dtype in (self.weight_dtype, self.kv_dtype):
-            if dtype not in ("bf16", "fp16", "fp8"):
-                raise ConfigError(f"dtype '{dtype}' is not bf16, fp16 or fp8, {where}, "
-                                  f"fix the model YAML")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"weight_dtype '{self.weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}, "
+                              f"{where}, fix the model YAML")
+        if self.kv_dtype not in ("bf16", "fp16", "fp8"):
+            raise ConfigError(f"kv_dtype '{self.kv_dtype}' is not bf16, fp16 or fp8, {where}, "
+                              f"fix the model YAML")
         if self.attention == "mla" and self.kv_lora_rank <= 0:
             raise ConfigError(f"mla needs kv_lora_rank > 0, {where}, fix the model YAML")
         if self.num_heads % self.num_kv_heads:
@@ -208,7 +211,21 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        return self.num_params * DTYPE_BYTES[self.weight_dtype]
+        if self.weight_dtype != "nvfp4":
+            return self.num_params * DTYPE_BYTES[self.weight_dtype]
+        kept = min(self.num_params, self.nvfp4_unquantized_params)
+        return kept * DTYPE_BYTES["bf16"] + (self.num_params - kept) * DTYPE_BYTES["nvfp4"]
+
+    @property
+    def nvfp4_unquantized_params(self) -> float:
+        """Parameters an NVFP4 checkpoint keeps in 16 bits: the embeddings and the LM head
+        (ModelOpt's NVFP4 recipe leaves lm_head out; untied, as the large models are) and, on MLA
+        models, the attention layers (NVIDIA's DeepSeek-R1 NVFP4 checkpoints list self_attn in
+        hf_quant_config.json's exclude_modules). Norms and routers are a rounding error."""
+        kept = 2.0 * self.vocab_size * self.hidden_size
+        if self.is_mla:
+            kept += self.num_attention_layers * self.attention_params_per_layer
+        return kept
 
     # Parameters touched by one token, for FLOPs (2 per multiply-add) and weight traffic.
     @property

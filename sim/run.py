@@ -162,6 +162,9 @@ def prepare(cfg: DictConfig) -> Setup:
     _check_context_window(model, spec.max_model_len)
     check_tensor_parallel(model, spec.tensor_parallel_size, "tensor_parallel_size")
     profile = load_profile(spec.gpu)
+    if model.weight_dtype == "nvfp4" and not profile.fp4_flops_per_s:
+        raise ConfigError(f"NVFP4 weights need FP4 tensor cores, which gpu={spec.gpu} ({profile.gpu_name}) lacks, "
+                          "key quantization, use a Blackwell GPU (gpu=b200) or quantization=fp8")
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
                         kv_dtype=kv_dtype, block_size=spec.block_size,

@@ -127,7 +127,8 @@ class CalibratedOp:
 
 
 class CalibratedGemm:
-    """GEMM time for (m, n, k, dtype): fp8 runs against the fp8 peak where the GPU has one."""
+    """GEMM time for (m, n, k, dtype): fp8 runs against the fp8 peak where the GPU has one, nvfp4
+    against the fp4 peak (sim.run refuses nvfp4 on a GPU without one)."""
 
     def __init__(self, ops_by_dtype: dict[str, CalibratedOp]):
         self.ops_by_dtype = ops_by_dtype
@@ -168,6 +169,8 @@ def calibrated_gemm(profile) -> CalibratedGemm:
         ops["fp8"] = op("gemm_fp8", profile.fp8_flops_per_s)
         # Block-scaled FP8 (DeepSeek's checkpoints): the same GEMM at a share of its compute rate.
         ops[FP8_BLOCK] = op("gemm_fp8", profile.fp8_flops_per_s * BLOCK_SCALED_FP8_SHARE)
+    if profile.fp4_flops_per_s:  # NVFP4 GEMMs (W4A4, Blackwell): gemm_fp4 on the FP4 peak
+        ops["nvfp4"] = op("gemm_fp4", profile.fp4_flops_per_s)
     return CalibratedGemm(ops)
 
 

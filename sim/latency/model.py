@@ -130,6 +130,10 @@ class LatencyModel:
         self.gemm = calibrated_gemm(profile)
         block_scaled = model.weight_dtype == "fp8" and model.weight_block_size and profile.fp8_flops_per_s
         self.gemm_dtype = FP8_BLOCK if block_scaled else model.weight_dtype
+        # What an NVFP4 checkpoint keeps in 16 bits (ModelOpt: lm_head; DeepSeek's: MLA attention).
+        nvfp4 = model.weight_dtype == "nvfp4"
+        self.attention_gemm_dtype = "bf16" if nvfp4 and model.is_mla else self.gemm_dtype
+        self.lm_head_dtype = "bf16" if nvfp4 else self.gemm_dtype
         h = model.hidden_size
         self.attention_gemms = (
             mla_gemms(model, tp) if model.is_mla else
@@ -173,7 +177,9 @@ class LatencyModel:
         self.elementwise_op = self._calibrated("elementwise", "elementwise", 1.0, self.bw)
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
         if block_scaled:
-            self.elementwise_kernels += group_quant_kernels(model, tp)
+            self.elementwise_kernels += group_quant_kernels(model, tp, FP8_BLOCK_QUANT_BYTES)
+        elif nvfp4:
+            self.elementwise_kernels += group_quant_kernels(model, tp, NVFP4_QUANT_BYTES, attention=not model.is_mla)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
@@ -191,9 +197,9 @@ class LatencyModel:
         return eff.t0_s + max(flops / (peak * eff.compute_efficiency),
                               nbytes / (self.bw * eff.memory_efficiency))
 
-    def _gemms(self, tokens: int, shapes) -> float:
-        time = self.gemm.time
-        return sum(time(tokens, n, k, self.gemm_dtype) for n, k in shapes)
+    def _gemms(self, tokens: int, shapes, dtype: str | None = None) -> float:
+        time, dtype = self.gemm.time, dtype or self.gemm_dtype
+        return sum(time(tokens, n, k, dtype) for n, k in shapes)
 
     def graph_size(self, shape: BatchShape) -> int:
         """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
@@ -256,7 +262,7 @@ class LatencyModel:
         lm_head = self._lm_head.get(sampled)
         if lm_head is None:
             lm_head = self._lm_head[sampled] = (
-                self._gemms(sampled, [self.lm_head_gemm]) if sampled else 0.0)
+                self._gemms(sampled, [self.lm_head_gemm], self.lm_head_dtype) if sampled else 0.0)
         qkv_o_proj, mlp, allreduce, all_to_all, elementwise = per_token
         times = {
             "qkv_o_proj": qkv_o_proj, "mlp": mlp, "elementwise": elementwise, "lm_head": parts * lm_head,
@@ -271,7 +277,8 @@ class LatencyModel:
         if shape.num_prefill_tokens:  # (the whole cached prefix, as the plain model decompresses it)
             cached = shape.prefill_kv_tokens - shape.num_prefill_tokens
             if self.mla_up_gemm and cached > 0:
-                times["mla_up_projection"] = self.attention_layers * self._gemms(cached, [self.mla_up_gemm])
+                times["mla_up_projection"] = self.attention_layers * self._gemms(cached, [self.mla_up_gemm],
+                                                                                 self.attention_gemm_dtype)
         if shape.num_decode_seqs and not shape.group_attention:
             times["attention_decode"] = self.attention_layers * self.attention_decode_time(shape)
         if self.state_mixers:
@@ -295,7 +302,7 @@ class LatencyModel:
         step of `tokens` tokens: an all-reduce after each attention and each MLP under TP; under EP
         a MoE layer's routed tokens go out and back by all-to-all and its output is gathered instead."""
         m = self.model
-        qkv_o_proj = self.attention_layers * self._gemms(tokens, self.attention_gemms)
+        qkv_o_proj = self.attention_layers * self._gemms(tokens, self.attention_gemms, self.attention_gemm_dtype)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
                + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
         op = self.elementwise_op
@@ -489,19 +496,27 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     return kernels
 
 
-def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
-    """(layers, bytes per token on one rank) of the activation quantization block-scaled FP8
-    GEMMs need (per_token_group_quant_fp8, one per GEMM input: 16-bit activations read, FP8 values
-    and a 4-byte scale per 128 written), as DeepSeek's checkpoints run in vLLM and SGLang:
-    attention's input (the fused query and KV down-projections'), the query up-projection's and
-    the output projection's; the MLP's input and its down-projection's (a MoE layer: each routed
-    copy of a token's, and the shared experts')."""
+# Bytes written per activation value by the quantization before a GEMM: block-scaled FP8 (an FP8
+# value and a 4-byte scale per 128, per_token_group_quant_fp8); NVFP4 (a 4-bit value and an FP8
+# scale per 16, vLLM's scaled_fp4_quant; ModelOpt's NVFP4 recipe quantizes every linear layer's
+# input, W4A4).
+FP8_BLOCK_QUANT_BYTES = 1 + 4 / 128
+NVFP4_QUANT_BYTES = DTYPE_BYTES["nvfp4"]
+
+
+def group_quant_kernels(model: ModelSpec, tp: int, written: float, attention: bool = True) -> list[tuple[int, float]]:
+    """(layers, bytes per token on one rank) of the activation quantization quantized GEMMs need
+    (one per GEMM input: 16-bit activations read, `written` bytes per value written), as vLLM and
+    SGLang run block-scaled FP8 (DeepSeek's checkpoints) and NVFP4: attention's input (the fused
+    QKV's, or MLA's query and KV down-projections'), MLA's query up-projection's and the output
+    projection's (not where attention stays 16-bit); the MLP's input and its down-projection's (a
+    MoE layer: each routed copy of a token's, and the shared experts')."""
     def quant(width: float) -> float:
-        return width * (ACTIVATION_BYTES + 1 + 4 / 128)
+        return width * (ACTIVATION_BYTES + written)
     layers, h = model.num_attention_layers, model.hidden_size
     out = (model.v_head_dim if model.is_mla else model.head_dim) * model.num_heads / tp
-    kernels = [(layers, quant(h)), (layers, quant(out))]
-    if model.is_mla and model.q_lora_rank:
+    kernels = [(layers, quant(h)), (layers, quant(out))] if attention else []
+    if attention and model.is_mla and model.q_lora_rank:
         kernels.append((layers, quant(model.q_lora_rank)))
     dense = model.num_dense_mlp_layers
     if dense:

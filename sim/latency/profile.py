@@ -44,6 +44,7 @@ class GpuProfile:
     kernel_launch_s: float = 0.0  # host time to launch one kernel (eager steps)
     graph_launch_s: float = 0.0   # host time to replay one captured CUDA graph
     launch_source: str = "prior:none (a profile without launch costs: launches are free)"
+    fp4_flops_per_s: float | None = None  # FP4 tensor cores (Blackwell): NVFP4 GEMMs
 
     def provenance(self) -> dict[str, str]:
         """Where each operator's parameters come from: measured, imported:<source> or prior:<how>."""
@@ -55,8 +56,12 @@ class GpuProfile:
         return self.operators[name]
 
     def peak_flops(self, dtype: str) -> float:
+        """The tensor-core peak a GEMM of dtype runs against (16-bit where the GPU lacks the type's
+        units; NVFP4 needs FP4 units, which sim.run checks before a run)."""
         if dtype == "fp8" and self.fp8_flops_per_s:
             return self.fp8_flops_per_s
+        if dtype == "nvfp4" and self.fp4_flops_per_s:
+            return self.fp4_flops_per_s
         return self.bf16_flops_per_s
 
 
@@ -112,6 +117,12 @@ def _without_gemm_fp8(data: dict) -> dict:
                               "for this GPU)"}
 
 
+def _without_gemm_fp4(data: dict) -> dict:
+    """NVFP4 GEMMs without a figure of their own: the FP8 GEMM's efficiencies, against the FP4 peak."""
+    fp8 = data["operators"].get("gemm_fp8") or _without_gemm_fp8(data)
+    return {**fp8, "source": "prior:the FP8 GEMM's efficiencies (no FP4 GEMM figure for this GPU)"}
+
+
 def _without_kv_copy(data: dict) -> dict:
     gemm = data["operators"]["gemm"]
     return {"memory_efficiency": gemm["memory_efficiency"], "compute_efficiency": 1.0, "t0_s": gemm["t0_s"],
@@ -154,6 +165,9 @@ FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
                                                "MLA decode timings")}
 
 
+# Operators of units a GPU may lack: read (or derived) only where the profile gives the unit's peak.
+GPU_UNIT_FALLBACKS = {"gemm_fp4": _without_gemm_fp4}
+
 # All-reduce algorithms a system may lack (no NVSwitch, no peer-to-peer link): offered only where
 # the profile gives them (sim.latency.collectives).
 OPTIONAL = ("allreduce_ll", "allreduce_nvls", "allreduce_oneshot", "allreduce_twoshot")
@@ -162,8 +176,10 @@ OPTIONAL = ("allreduce_ll", "allreduce_nvls", "allreduce_oneshot", "allreduce_tw
 def profile_from_dict(data: dict) -> GpuProfile:
     ops = {}
     optional = tuple(op for op in OPTIONAL if op in data["operators"])
+    if data.get("fp4_flops_per_s"):  # only a GPU with FP4 units times NVFP4 GEMMs
+        optional += ("gemm_fp4",)
     for op in OPERATORS + tuple(op for op in FALLBACKS if op not in OPERATORS) + optional:
-        raw = data["operators"][op] if op in data["operators"] else FALLBACKS[op](data)
+        raw = data["operators"][op] if op in data["operators"] else {**FALLBACKS, **GPU_UNIT_FALLBACKS}[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
             memory_efficiency=float(raw.get("memory_efficiency", raw.get("link_efficiency", 1.0))),
@@ -179,6 +195,7 @@ def profile_from_dict(data: dict) -> GpuProfile:
         hbm_bandwidth_bytes_per_s=float(data["hbm_bandwidth_bytes_per_s"]),
         bf16_flops_per_s=float(data["bf16_flops_per_s"]),
         fp8_flops_per_s=float(data["fp8_flops_per_s"]) if data.get("fp8_flops_per_s") else None,
+        fp4_flops_per_s=float(data["fp4_flops_per_s"]) if data.get("fp4_flops_per_s") else None,
         link_bandwidth_bytes_per_s=float(data["link_bandwidth_bytes_per_s"]),
         host_link_bytes_per_s=float(data["host_link_bytes_per_s"]),
         host_link_latency_s=float(data.get("host_link_latency_s", 0.0)),

@@ -1,0 +1,125 @@
+"""NVFP4 weights (quantization=nvfp4, vLLM's modelopt_fp4): 4-bit values with an FP8 scale per 16,
+timed on a Blackwell GPU's FP4 tensor cores, refused on a GPU without them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from calibration.commands import predict_task
+from sim.errors import ConfigError
+from sim.hf_config import model_from_hf
+from sim.latency.calibrated import calibrated_gemm
+from sim.latency.model import NVFP4_QUANT_BYTES, BatchShape, LatencyModel, group_quant_kernels
+from sim.latency.profile import load_profile
+from sim.models import load_model
+from sim.run import prepare
+
+
+def nvfp4(name: str):
+    return dataclasses.replace(load_model(name), weight_dtype="nvfp4")
+
+
+def test_weights_take_four_and_a_half_bits_but_the_embeddings_and_lm_head_sixteen():
+    llama = load_model("llama31_70b")
+    kept = 2 * llama.vocab_size * llama.hidden_size  # embedding and LM head, untied
+    expected = kept * 2 + (llama.num_params - kept) * (0.5 + 1 / 16)
+    assert nvfp4("llama31_70b").weight_bytes == pytest.approx(expected, rel=1e-12)
+    # 70.6 B parameters: about 41.6 GB against 70.6 GB in FP8
+    assert 0.55 < nvfp4("llama31_70b").weight_bytes / dataclasses.replace(llama, weight_dtype="fp8").weight_bytes < 0.62
+    v3 = load_model("deepseek_v3")  # MLA attention stays 16-bit too
+    attention = v3.num_attention_layers * v3.attention_params_per_layer
+    assert nvfp4("deepseek_v3").nvfp4_unquantized_params == pytest.approx(
+        2 * v3.vocab_size * v3.hidden_size + attention)
+
+
+def test_gemms_run_on_the_fp4_peak_and_read_4_5_bits_per_weight():
+    b200 = load_profile("b200")
+    gemm, fp4 = calibrated_gemm(b200), b200.op("gemm_fp4")
+    n, k = 57344, 8192  # Llama-3.1-70B's gate and up projections
+    big = 2 * 8192 * n * k / (b200.fp4_flops_per_s * fp4.compute_efficiency) + fp4.t0_s
+    assert gemm.time(8192, n, k, "nvfp4") == pytest.approx(big, rel=0.02)  # compute-bound
+    fp8 = b200.fp8_flops_per_s * b200.op("gemm_fp8").compute_efficiency  # 3.4 PFLOP/s against FP4's 5.2
+    assert gemm.time(8192, n, k, "nvfp4") / gemm.time(8192, n, k, "fp8") == pytest.approx(
+        fp8 / (b200.fp4_flops_per_s * fp4.compute_efficiency), rel=0.02)
+    weights = n * k * (0.5 + 1 / 16) / (b200.hbm_bandwidth_bytes_per_s * fp4.memory_efficiency)
+    assert gemm.time(1, n, k, "nvfp4") == pytest.approx(weights + fp4.t0_s, rel=0.01)  # weight-bound decode
+
+
+def test_simulator_and_predict_time_quantized_gemms_alike(tmp_path):
+    """qkv/o, MLP and LM head of a step against predict's op=gemm rows with each part's dtype:
+    nvfp4 on a B200 (LM head in bf16) and fp8 on an H100 (gemm_fp8's own efficiencies)."""
+    for gpu, dtype, head in (("b200", "nvfp4", "bf16"), ("h100", "fp8", "fp8")):
+        model = dataclasses.replace(load_model("llama31_8b"), weight_dtype=dtype)
+        latency = LatencyModel(model, load_profile(gpu), 1, "bf16")
+        tokens = 96
+        times = latency.breakdown(BatchShape(num_decode_seqs=tokens, decode_context_tokens=tokens * 500,
+                                             num_sampled=tokens))
+        h, inter, heads, kv = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads
+        shapes = [((heads + 2 * kv) * 128, h, dtype), (h, heads * 128, dtype), (2 * inter, h, dtype),
+                  (h, inter, dtype), (model.vocab_size, h, head)]
+        rows = [{"op": "gemm", "m": tokens, "n": n, "k": k, "dtype": d} for n, k, d in shapes]
+        shapes_csv, out = tmp_path / f"{gpu}.csv", tmp_path / f"{gpu}_out.csv"
+        shapes_csv.write_text("op,m,n,k,dtype\n" + "".join(f"gemm,{r['m']},{r['n']},{r['k']},{r['dtype']}\n"
+                                                           for r in rows))
+        predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes_csv), "out": str(out)}))
+        t = [float(line.rsplit(",", 1)[1]) for line in out.read_text().splitlines()[1:]]
+        layers = model.num_layers
+        assert times["qkv_o_proj"] == pytest.approx(layers * (t[0] + t[1]), rel=1e-12)
+        assert times["mlp"] == pytest.approx(layers * (t[2] + t[3]), rel=1e-12)
+        assert times["lm_head"] == pytest.approx(t[4], rel=1e-12)
+
+
+def test_mla_attention_stays_sixteen_bit_and_only_quantized_gemm_inputs_are_quantized():
+    b200 = load_profile("b200")
+    shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 2000, num_sampled=64)
+    fp4 = LatencyModel(nvfp4("deepseek_v3"), b200, 8, "bf16")
+    bf16 = LatencyModel(dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16"), b200, 8, "bf16")
+    assert fp4.breakdown(shape)["qkv_o_proj"] == bf16.breakdown(shape)["qkv_o_proj"]
+    assert fp4.breakdown(shape)["mlp"] < 0.5 * bf16.breakdown(shape)["mlp"]
+    quant = group_quant_kernels(nvfp4("deepseek_v3"), 8, NVFP4_QUANT_BYTES, attention=False)
+    assert fp4.elementwise_kernels[-len(quant):] == quant
+    v3 = load_model("deepseek_v3")
+    assert sum(layers for layers, _ in quant) == 2 * v3.num_layers  # the MLP's two inputs, no attention's
+    llama = LatencyModel(nvfp4("llama31_70b"), b200, 1, "bf16")
+    assert sum(layers for layers, _ in llama.elementwise_kernels[-4:]) == 4 * 80  # attention's too
+
+
+def test_nvfp4_needs_fp4_tensor_cores_and_modelopt_fp4_is_its_vllm_name(run_config, tmp_path):
+    with pytest.raises(ConfigError, match="FP4 tensor cores, which gpu=h100"):
+        prepare(run_config("model=llama31_8b", "gpu=h100", "quantization=nvfp4"))
+    a = prepare(run_config("model=llama31_8b", "gpu=b200", "quantization=nvfp4", "kv_cache_memory_bytes=null"))
+    b = prepare(run_config("model=llama31_8b", "gpu=b200", "quantization=modelopt_fp4", "kv_cache_memory_bytes=null"))
+    fp8 = prepare(run_config("model=llama31_8b", "gpu=b200", "quantization=fp8", "kv_cache_memory_bytes=null"))
+    assert a.pool.num_blocks == b.pool.num_blocks > fp8.pool.num_blocks  # 4.5-bit weights leave more KV
+    assert a.latency.model.weight_dtype == "nvfp4"
+    out = subprocess.run([sys.executable, "-m", "sim", "run", "+experiment=golden", "gpu=a100_80g",
+                          "quantization=nvfp4", "hydra.run.dir=run"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use a Blackwell GPU" in out.stderr
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_predict_refuses_nvfp4_rows_on_a_gpu_without_fp4(tmp_path):
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("op,m,n,k,dtype\ngemm,16,4096,4096,nvfp4\n")
+    out = subprocess.run([sys.executable, "-m", "calibration", "predict", "gpu=h100", f"shapes={shapes}",
+                          f"out={tmp_path / 'out.csv'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "FP4 tensor cores" in out.stderr
+    assert not (tmp_path / "out.csv").exists()
+
+
+def test_a_modelopt_nvfp4_config_json_reads_as_nvfp4_weights(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+              "torch_dtype": "bfloat16",
+              "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                      "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    model = model_from_hf(str(path), quiet=True)
+    assert model.weight_dtype == "nvfp4" and model.kv_dtype == "bf16"  # KV: kv_cache_dtype decides
