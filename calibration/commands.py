@@ -135,6 +135,9 @@ def predict_task(cfg: DictConfig) -> None:
             raise RawError(f"op={op} rows need column(s) {', '.join(missing)}, {shapes_path}, "
                            f"give {op} rows {', '.join(needed)}")
         rows = shapes.iloc[index].assign(time_s=1.0)
+        if op != "gemm" and "dtype" in needed and (rows.dtype == "nvfp4").any():
+            raise RawError(f"op={op} rows of dtype nvfp4: NVFP4 is a weight type, {shapes_path}, "
+                           f"give {op} rows a dtype of fp16, bf16, fp8 or fp32 (nvfp4: op=gemm rows only)")
         try:
             prepared = prepare(rows, op, profile)
         except (KeyError, ValueError) as exc:

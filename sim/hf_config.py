@@ -355,7 +355,7 @@ def model_from_hf(path: str, name: str | None = None, quiet: bool = False):
 
     values = read_hf_config(path)
     fields, notes = model_fields_from_hf(values, path)
-    tied = fields.pop("tie_word_embeddings")
+    tied = fields["tie_word_embeddings"]
     file = Path(path)
     label = name or f"hf:{file.parent.name if file.name == 'config.json' else file.stem}"
     spec = model_from_dict({"name": label, "num_params": 0.0, "source": f"Hugging Face config {path}",

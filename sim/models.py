@@ -21,6 +21,7 @@ from sim.kv_layout import (DTYPE_BYTES, NO_ATTENTION, PLAIN_ATTENTION, KindUsage
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "cla")
 WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "nvfp4")
+QUANTIZED_WEIGHTS = ("fp8", "nvfp4")  # checkpoints that keep the embeddings and LM head 16-bit
 # vLLM's kv_cache_dtype values; "auto" keeps the model's own KV dtype.
 KV_CACHE_DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8",
                    "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
@@ -59,6 +60,7 @@ class ModelSpec:
     # FP8 weights scaled per block of weight_block_size x weight_block_size (0: per tensor or row),
     # as a checkpoint's quantization_config.weight_block_size says.
     weight_block_size: int = 0
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix (one copy of its weights)
     # Per-layer kinds (sim.kv_layout.LayerGroup), in order; () = all layers of `attention`.
     layers: tuple[LayerGroup, ...] = ()
     source: str = ""  # where the figures come from (a config.json, a paper)
@@ -211,19 +213,20 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        if self.weight_dtype != "nvfp4":
+        if self.weight_dtype not in QUANTIZED_WEIGHTS:
             return self.num_params * DTYPE_BYTES[self.weight_dtype]
-        kept = min(self.num_params, self.nvfp4_unquantized_params)
-        return kept * DTYPE_BYTES["bf16"] + (self.num_params - kept) * DTYPE_BYTES["nvfp4"]
+        kept = min(self.num_params, self.unquantized_params)
+        return kept * DTYPE_BYTES["bf16"] + (self.num_params - kept) * DTYPE_BYTES[self.weight_dtype]
 
     @property
-    def nvfp4_unquantized_params(self) -> float:
-        """Parameters an NVFP4 checkpoint keeps in 16 bits: the embeddings and the LM head
-        (ModelOpt's NVFP4 recipe leaves lm_head out; untied, as the large models are) and, on MLA
-        models, the attention layers (NVIDIA's DeepSeek-R1 NVFP4 checkpoints list self_attn in
-        hf_quant_config.json's exclude_modules). Norms and routers are a rounding error."""
-        kept = 2.0 * self.vocab_size * self.hidden_size
-        if self.is_mla:
+    def unquantized_params(self) -> float:
+        """Parameters a quantized checkpoint keeps in 16 bits: the embeddings and the LM head
+        (vLLM's Fp8Config quantizes linear layers only, not ParallelLMHead; ModelOpt leaves lm_head
+        out; one matrix where they are tied) and, in NVFP4 on MLA models, the attention layers
+        (NVIDIA's DeepSeek-R1 NVFP4 checkpoints list self_attn in hf_quant_config.json's
+        exclude_modules). Norms and routers are a rounding error."""
+        kept = (1.0 if self.tie_word_embeddings else 2.0) * self.vocab_size * self.hidden_size
+        if self.weight_dtype == "nvfp4" and self.is_mla:
             kept += self.num_attention_layers * self.attention_params_per_layer
         return kept
 

@@ -14,7 +14,7 @@ from calibration.commands import predict_task
 from sim.errors import ConfigError
 from sim.hf_config import model_from_hf
 from sim.latency.calibrated import calibrated_gemm
-from sim.latency.model import NVFP4_QUANT_BYTES, BatchShape, LatencyModel, group_quant_kernels
+from sim.latency.model import BatchShape, LatencyModel
 from sim.latency.profile import load_profile
 from sim.models import load_model
 from sim.run import prepare
@@ -25,16 +25,24 @@ def nvfp4(name: str):
 
 
 def test_weights_take_four_and_a_half_bits_but_the_embeddings_and_lm_head_sixteen():
+    """As vLLM and ModelOpt quantize: linear layers only (and not MLA attention in NVFP4)."""
     llama = load_model("llama31_70b")
     kept = 2 * llama.vocab_size * llama.hidden_size  # embedding and LM head, untied
     expected = kept * 2 + (llama.num_params - kept) * (0.5 + 1 / 16)
     assert nvfp4("llama31_70b").weight_bytes == pytest.approx(expected, rel=1e-12)
+    fp8 = kept * 2 + (llama.num_params - kept) * 1  # FP8 checkpoints keep them 16-bit as well
+    assert dataclasses.replace(llama, weight_dtype="fp8").weight_bytes == pytest.approx(fp8, rel=1e-12)
+    assert llama.weight_bytes == llama.num_params * 2
     # 70.6 B parameters: about 41.6 GB against 70.6 GB in FP8
     assert 0.55 < nvfp4("llama31_70b").weight_bytes / dataclasses.replace(llama, weight_dtype="fp8").weight_bytes < 0.62
     v3 = load_model("deepseek_v3")  # MLA attention stays 16-bit too
     attention = v3.num_attention_layers * v3.attention_params_per_layer
-    assert nvfp4("deepseek_v3").nvfp4_unquantized_params == pytest.approx(
+    assert nvfp4("deepseek_v3").unquantized_params == pytest.approx(
         2 * v3.vocab_size * v3.hidden_size + attention)
+    gemma = load_model("gemma3_27b")  # tied: one 16-bit copy of the embedding matrix
+    tied = gemma.vocab_size * gemma.hidden_size
+    assert dataclasses.replace(gemma, weight_dtype="nvfp4").weight_bytes == pytest.approx(
+        tied * 2 + (gemma.num_params - tied) * (0.5 + 1 / 16), rel=1e-12)
 
 
 def test_gemms_run_on_the_fp4_peak_and_read_4_5_bits_per_weight():
@@ -52,8 +60,8 @@ def test_gemms_run_on_the_fp4_peak_and_read_4_5_bits_per_weight():
 
 def test_simulator_and_predict_time_quantized_gemms_alike(tmp_path):
     """qkv/o, MLP and LM head of a step against predict's op=gemm rows with each part's dtype:
-    nvfp4 on a B200 (LM head in bf16) and fp8 on an H100 (gemm_fp8's own efficiencies)."""
-    for gpu, dtype, head in (("b200", "nvfp4", "bf16"), ("h100", "fp8", "fp8")):
+    nvfp4 on a B200 and fp8 on an H100 (gemm_fp8's own efficiencies), the LM head in bf16."""
+    for gpu, dtype, head in (("b200", "nvfp4", "bf16"), ("h100", "fp8", "bf16")):
         model = dataclasses.replace(load_model("llama31_8b"), weight_dtype=dtype)
         latency = LatencyModel(model, load_profile(gpu), 1, "bf16")
         tokens = 96
@@ -74,19 +82,17 @@ def test_simulator_and_predict_time_quantized_gemms_alike(tmp_path):
         assert times["lm_head"] == pytest.approx(t[4], rel=1e-12)
 
 
-def test_mla_attention_stays_sixteen_bit_and_only_quantized_gemm_inputs_are_quantized():
+def test_mla_attention_stays_sixteen_bit_and_quantized_inputs_add_no_kernels():
     b200 = load_profile("b200")
     shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 2000, num_sampled=64)
     fp4 = LatencyModel(nvfp4("deepseek_v3"), b200, 8, "bf16")
     bf16 = LatencyModel(dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16"), b200, 8, "bf16")
     assert fp4.breakdown(shape)["qkv_o_proj"] == bf16.breakdown(shape)["qkv_o_proj"]
     assert fp4.breakdown(shape)["mlp"] < 0.5 * bf16.breakdown(shape)["mlp"]
-    quant = group_quant_kernels(nvfp4("deepseek_v3"), 8, NVFP4_QUANT_BYTES, attention=False)
-    assert fp4.elementwise_kernels[-len(quant):] == quant
-    v3 = load_model("deepseek_v3")
-    assert sum(layers for layers, _ in quant) == 2 * v3.num_layers  # the MLP's two inputs, no attention's
-    llama = LatencyModel(nvfp4("llama31_70b"), b200, 1, "bf16")
-    assert sum(layers for layers, _ in llama.elementwise_kernels[-4:]) == 4 * 80  # attention's too
+    # inputs quantized inside the kernel before each GEMM (TensorRT-LLM's fused norm and activation)
+    assert fp4.elementwise_kernels == bf16.elementwise_kernels
+    block = LatencyModel(load_model("deepseek_v3"), b200, 8, "bf16")  # block-scaled FP8: its own quant kernels
+    assert len(block.elementwise_kernels) > len(fp4.elementwise_kernels)
 
 
 def test_nvfp4_needs_fp4_tensor_cores_and_modelopt_fp4_is_its_vllm_name(run_config, tmp_path):
@@ -104,13 +110,17 @@ def test_nvfp4_needs_fp4_tensor_cores_and_modelopt_fp4_is_its_vllm_name(run_conf
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
-def test_predict_refuses_nvfp4_rows_on_a_gpu_without_fp4(tmp_path):
+def test_predict_refuses_nvfp4_gemms_without_fp4_units_and_nvfp4_kv(tmp_path):
     shapes = tmp_path / "shapes.csv"
-    shapes.write_text("op,m,n,k,dtype\ngemm,16,4096,4096,nvfp4\n")
-    out = subprocess.run([sys.executable, "-m", "calibration", "predict", "gpu=h100", f"shapes={shapes}",
-                          f"out={tmp_path / 'out.csv'}"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "FP4 tensor cores" in out.stderr
-    assert not (tmp_path / "out.csv").exists()
+    cases = (("h100", "op,m,n,k,dtype\ngemm,16,4096,4096,nvfp4\n", "FP4 tensor cores"),
+             ("b200", "op,batch_size,context_len,num_q_heads,num_kv_heads,head_dim,dtype\n"
+                      "attention_decode,8,2048,32,8,128,nvfp4\n", "NVFP4 is a weight type"))
+    for gpu, text, message in cases:
+        shapes.write_text(text)
+        out = subprocess.run([sys.executable, "-m", "calibration", "predict", f"gpu={gpu}", f"shapes={shapes}",
+                              f"out={tmp_path / 'out.csv'}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+        assert not (tmp_path / "out.csv").exists()
 
 
 def test_a_modelopt_nvfp4_config_json_reads_as_nvfp4_weights(tmp_path):

@@ -52,7 +52,7 @@ from sim.kv_layout import NO_ATTENTION
 from sim.latency.moe import MoeLayer
 from sim.latency.profile import GpuProfile
 from sim.latency.state import StateMixer
-from sim.models import DTYPE_BYTES, ModelSpec
+from sim.models import DTYPE_BYTES, QUANTIZED_WEIGHTS, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +130,11 @@ class LatencyModel:
         self.gemm = calibrated_gemm(profile)
         block_scaled = model.weight_dtype == "fp8" and model.weight_block_size and profile.fp8_flops_per_s
         self.gemm_dtype = FP8_BLOCK if block_scaled else model.weight_dtype
-        # What an NVFP4 checkpoint keeps in 16 bits (ModelOpt: lm_head; DeepSeek's: MLA attention).
+        # What a quantized checkpoint keeps in 16 bits (ModelSpec.unquantized_params): the LM head;
+        # in NVFP4, MLA attention too.
         nvfp4 = model.weight_dtype == "nvfp4"
         self.attention_gemm_dtype = "bf16" if nvfp4 and model.is_mla else self.gemm_dtype
-        self.lm_head_dtype = "bf16" if nvfp4 else self.gemm_dtype
+        self.lm_head_dtype = "bf16" if model.weight_dtype in QUANTIZED_WEIGHTS else self.gemm_dtype
         h = model.hidden_size
         self.attention_gemms = (
             mla_gemms(model, tp) if model.is_mla else
@@ -176,10 +177,8 @@ class LatencyModel:
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
         self.elementwise_op = self._calibrated("elementwise", "elementwise", 1.0, self.bw)
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
-        if block_scaled:
-            self.elementwise_kernels += group_quant_kernels(model, tp, FP8_BLOCK_QUANT_BYTES)
-        elif nvfp4:
-            self.elementwise_kernels += group_quant_kernels(model, tp, NVFP4_QUANT_BYTES, attention=not model.is_mla)
+        if block_scaled:  # (per-tensor FP8 and NVFP4: no quant kernels, see above group_quant_kernels)
+            self.elementwise_kernels += group_quant_kernels(model, tp)
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
@@ -200,6 +199,14 @@ class LatencyModel:
     def _gemms(self, tokens: int, shapes, dtype: str | None = None) -> float:
         time, dtype = self.gemm.time, dtype or self.gemm_dtype
         return sum(time(tokens, n, k, dtype) for n, k in shapes)
+
+    def lm_head_time(self, sampled: float) -> float:
+        """The LM head's GEMM over the sampled tokens (16-bit in a quantized checkpoint)."""
+        value = self._lm_head.get(sampled)
+        if value is None:
+            value = self._lm_head[sampled] = (
+                self._gemms(sampled, [self.lm_head_gemm], self.lm_head_dtype) if sampled else 0.0)
+        return value
 
     def graph_size(self, shape: BatchShape) -> int:
         """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
@@ -259,10 +266,7 @@ class LatencyModel:
         per_token = self._per_token_count.get(padded)
         if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
             per_token = self._per_token_count[padded] = self._token_ops(padded)
-        lm_head = self._lm_head.get(sampled)
-        if lm_head is None:
-            lm_head = self._lm_head[sampled] = (
-                self._gemms(sampled, [self.lm_head_gemm], self.lm_head_dtype) if sampled else 0.0)
+        lm_head = self.lm_head_time(sampled)
         qkv_o_proj, mlp, allreduce, all_to_all, elementwise = per_token
         times = {
             "qkv_o_proj": qkv_o_proj, "mlp": mlp, "elementwise": elementwise, "lm_head": parts * lm_head,
@@ -496,27 +500,25 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     return kernels
 
 
-# Bytes written per activation value by the quantization before a GEMM: block-scaled FP8 (an FP8
-# value and a 4-byte scale per 128, per_token_group_quant_fp8); NVFP4 (a 4-bit value and an FP8
-# scale per 16, vLLM's scaled_fp4_quant; ModelOpt's NVFP4 recipe quantizes every linear layer's
-# input, W4A4).
-FP8_BLOCK_QUANT_BYTES = 1 + 4 / 128
-NVFP4_QUANT_BYTES = DTYPE_BYTES["nvfp4"]
+# Per-tensor FP8 and NVFP4 (W4A4) GEMM inputs are quantized inside the kernel before the GEMM, as
+# TensorRT-LLM fuses them into its norm and activation kernels: no kernel of their own (vLLM
+# without its fusion passes runs scaled_fp8_quant / scaled_fp4_quant separately, not counted);
+# block-scaled FP8's per_token_group_quant kernels are (group_quant_kernels).
 
 
-def group_quant_kernels(model: ModelSpec, tp: int, written: float, attention: bool = True) -> list[tuple[int, float]]:
-    """(layers, bytes per token on one rank) of the activation quantization quantized GEMMs need
-    (one per GEMM input: 16-bit activations read, `written` bytes per value written), as vLLM and
-    SGLang run block-scaled FP8 (DeepSeek's checkpoints) and NVFP4: attention's input (the fused
-    QKV's, or MLA's query and KV down-projections'), MLA's query up-projection's and the output
-    projection's (not where attention stays 16-bit); the MLP's input and its down-projection's (a
-    MoE layer: each routed copy of a token's, and the shared experts')."""
+def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
+    """(layers, bytes per token on one rank) of the activation quantization block-scaled FP8
+    GEMMs need (per_token_group_quant_fp8, one per GEMM input: 16-bit activations read, FP8 values
+    and a 4-byte scale per 128 written), as DeepSeek's checkpoints run in vLLM and SGLang:
+    attention's input (the fused query and KV down-projections'), the query up-projection's and
+    the output projection's; the MLP's input and its down-projection's (a MoE layer: each routed
+    copy of a token's, and the shared experts')."""
     def quant(width: float) -> float:
-        return width * (ACTIVATION_BYTES + written)
+        return width * (ACTIVATION_BYTES + 1 + 4 / 128)
     layers, h = model.num_attention_layers, model.hidden_size
     out = (model.v_head_dim if model.is_mla else model.head_dim) * model.num_heads / tp
-    kernels = [(layers, quant(h)), (layers, quant(out))] if attention else []
-    if attention and model.is_mla and model.q_lora_rank:
+    kernels = [(layers, quant(h)), (layers, quant(out))]
+    if model.is_mla and model.q_lora_rank:
         kernels.append((layers, quant(model.q_lora_rank)))
     dense = model.num_dense_mlp_layers
     if dense:

@@ -258,11 +258,11 @@ def test_block_fp8_models_quantize_each_gemm_input_and_others_do_not():
     """DeepSeek-V3 (block-scaled FP8) on TP 8: five per_token_group_quant kernels a layer (attention
     input, query up-projection input, output projection input, MLP input, down-projection input);
     an FP8 model scaled per tensor, and the same model on a GPU without FP8, none."""
-    from sim.latency.model import FP8_BLOCK_QUANT_BYTES, group_quant_kernels
+    from sim.latency.model import group_quant_kernels
     v3 = load_model("deepseek_v3")
     h100, a100 = load_profile("h100"), load_profile("a100_80g")
     with_quant = LatencyModel(v3, h100, 8, "bf16").elementwise_kernels
-    quant = group_quant_kernels(v3, 8, FP8_BLOCK_QUANT_BYTES)
+    quant = group_quant_kernels(v3, 8)
     assert with_quant[-len(quant):] == quant
     assert sum(layers for layers, _ in quant) == 5 * v3.num_layers
     assert (v3.num_moe_layers, (v3.hidden_size) * (2 + 1 + 4 / 128)) in quant

@@ -19,14 +19,6 @@ def _token_terms(latency: LatencyModel, padded: float) -> tuple[float, ...]:
     return (*per_token, send_recv)
 
 
-def _lm_head(latency: LatencyModel, sampled: float) -> float:
-    value = latency._lm_head.get(sampled)
-    if value is None:
-        value = latency._lm_head[sampled] = (
-            latency._gemms(sampled, [latency.lm_head_gemm]) if sampled else 0.0)
-    return value
-
-
 def _attention(latency: LatencyModel, op, dims: tuple[float, float]) -> tuple[np.ndarray, ...]:
     """(parameters, grid, factors) of an attention operator (core.A_* order)."""
     roof, table = op.roofline, op.table
@@ -54,14 +46,14 @@ def latency_tables(latency: LatencyModel, max_tokens: int, max_seqs: int) -> tup
             tokens[row, count] = _token_terms(latency, count if parts == 1 else count / parts)
         for count in range(1, max_seqs + 1):
             share = count if parts == 1 else count / parts
-            lm_head[row, count] = _lm_head(latency, share)
+            lm_head[row, count] = latency.lm_head_time(share)
             cpu[row, count] = latency.cpu_time(share)
             output[row, count] = latency.cpu_output_time(share)
     graph = np.zeros((largest_graph + 1, core.TOKEN_TERMS))
     lm_graph = np.zeros(largest_graph + 1)
     for size in capture.tolist():
         graph[size] = _token_terms(latency, size)
-        lm_graph[size] = _lm_head(latency, size)
+        lm_graph[size] = latency.lm_head_time(size)
     prefill = _attention(latency, latency.prefill_op, latency.prefill_dims)
     decode = _attention(latency, latency.decode_op, latency.decode_dims)
     return (tokens, graph, lm_head, lm_graph, cpu, output, capture, *prefill, *decode)
