@@ -201,9 +201,16 @@ def with_priors(profile: dict) -> dict:
     elif priors.gemm_fp8:
         replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
                                     "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}
-    if priors.fp4:
+    if priors.fp4 and _kept(ops.get("gemm")):  # as FP8: the fitted 16-bit GEMM at the prior FP4/BF16 ratio
+        fitted, ratio = ops["gemm"], priors.fp4[1].value / priors.gemm.value
+        replacements["gemm_fp4"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
+                                    "source": f"prior:the fitted 16-bit GEMM ({fitted['source']}) x the FP4/BF16 "
+                                              f"ratio of {priors.fp4[1].source[len('prior:'):]} and of "
+                                              f"{priors.gemm.source[len('prior:'):]}"}
+    elif priors.fp4:
         replacements["gemm_fp4"] = {**gemm, "compute_efficiency": priors.fp4[1].value,
                                     "source": f"{priors.fp4[1].source}; {priors.memory.source}; {GEMM_T0.source}"}
+    if priors.fp4:
         profile = {**profile, "fp4_flops_per_s": priors.fp4[0]}
     for name, values in replacements.items():
         if not _kept(ops.get(name)):

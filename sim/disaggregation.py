@@ -46,7 +46,11 @@ def prepare_pools(cfg: DictConfig) -> Pools:
     for role in ("prefill", "decode"):
         gpu, tp = d[f"{role}_gpu"], d[f"{role}_tensor_parallel_size"]
         if gpu is not None:
-            load_profile(gpu, f"key disaggregation.{role}_gpu")
+            profile = load_profile(gpu, f"key disaggregation.{role}_gpu")
+            if cfg.quantization in ("nvfp4", "modelopt_fp4") and not profile.fp4_flops_per_s:
+                raise ConfigError(f"NVFP4 weights need FP4 tensor cores, which disaggregation.{role}_gpu={gpu} "
+                                  f"({profile.gpu_name}) lacks, key disaggregation.{role}_gpu, use a Blackwell GPU "
+                                  "(b200) or quantization=fp8")
         if tp is not None:
             check_tensor_parallel(model, tp, f"disaggregation.{role}_tensor_parallel_size")
         overrides = {"gpu": cfg.gpu if gpu is None else gpu,

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from importlib import resources
 
 import pytest
 from omegaconf import OmegaConf
@@ -133,3 +134,23 @@ def test_a_modelopt_nvfp4_config_json_reads_as_nvfp4_weights(tmp_path):
     path.write_text(json.dumps(config))
     model = model_from_hf(str(path), quiet=True)
     assert model.weight_dtype == "nvfp4" and model.kv_dtype == "bf16"  # KV: kv_cache_dtype decides
+
+
+def test_a_measured_b200_gemm_carries_its_fit_into_fp4_at_the_priors_ratio():
+    """As gemm_fp8 does: once a B200's 16-bit GEMM is fitted (calibration/device_run.sh), its FP4
+    GEMM is the fit at the priors' FP4/BF16 efficiency ratio, not the bare prior."""
+    from calibration.priors import PRIORS, with_priors
+    profile = json.loads((resources.files("calibration") / "profiles" / "b200.json").read_text())
+    fitted = {**profile["operators"]["gemm"], "compute_efficiency": 0.6, "source": "measured"}
+    ops = with_priors({**profile, "operators": {**profile["operators"], "gemm": fitted}})["operators"]
+    ratio = PRIORS["b200"].fp4[1].value / PRIORS["b200"].gemm.value
+    assert ops["gemm_fp4"]["compute_efficiency"] == pytest.approx(0.6 * ratio, rel=1e-5)
+    assert "fitted 16-bit GEMM" in ops["gemm_fp4"]["source"]
+
+
+def test_disaggregation_names_the_decode_gpu_that_lacks_fp4(run_config):
+    from sim.disaggregation import prepare_pools
+    cfg = run_config("model=llama31_8b", "gpu=b200", "quantization=nvfp4", "kv_cache_memory_bytes=null",
+                     "disaggregation.enabled=true", "disaggregation.decode_gpu=h100")
+    with pytest.raises(ConfigError, match="disaggregation.decode_gpu=h100"):
+        prepare_pools(cfg)
