@@ -160,6 +160,7 @@ class RunConfig:
     serving_overhead_s: float = 0.0
     enable_expert_parallel: bool = False
     async_output_processing: bool = True
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -239,6 +240,7 @@ class EngineSpec:
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
+    async_scheduling: bool = False        # the host's whole step overlaps the GPU's (vLLM's --async-scheduling)
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
     slo: SloSpec = SloSpec()             # latency targets the metrics check
     kv_offload: OffloadSpec = OffloadSpec()  # KV tiers below HBM (all off by default)
@@ -343,6 +345,6 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=QUANTIZATIONS[c["quantization"]], pipeline_parallel_size=c["pipeline_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
-        async_output_processing=c["async_output_processing"],
+        async_output_processing=c["async_output_processing"], async_scheduling=c["async_scheduling"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),
         kv_offload=OffloadSpec(**c["kv_offload"]))

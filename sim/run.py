@@ -180,9 +180,13 @@ def prepare(cfg: DictConfig) -> Setup:
         why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
               file=sys.stderr)
+    async_scheduling = spec.async_scheduling and spec.pipeline_parallel_size == 1
+    if spec.async_scheduling and not async_scheduling:
+        print("warning: async_scheduling=true has no effect with pipeline_parallel_size > 1 (vLLM turns it off "
+              "there too); fix: leave it false", file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
-                           spec.kv_offload.overlap_load)
+                           spec.kv_offload.overlap_load, async_scheduling)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():

@@ -30,7 +30,7 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
+           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
            "not_run_reason", "caveat", "known_gap", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
@@ -85,6 +85,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append("serving_overhead_s=0")
     if row["async_output_processing"] == "false":  # vLLM before 0.6 (PR #7049)
         keys.append("async_output_processing=false")
+    if row["async_scheduling"] == "true":  # TensorRT-LLM >= 0.20's PyTorch flow, SGLang >= 0.4, vLLM >= 0.14
+        keys.append("async_scheduling=true")
     if row["dataset"] == "sharegpt":
         return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
                 "scenario.arrival_rate_rps=1e9", "max_model_len=null"]

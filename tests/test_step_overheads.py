@@ -125,3 +125,35 @@ def test_asynchronous_output_processing_hides_behind_the_gpu_and_a_synchronous_e
         stepped = [latency.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
                                                 num_sampled=num_seqs)) for c in contexts]
         assert latency.decode_step_times(num_seqs, contexts).tolist() == stepped
+
+
+@pytest.mark.parametrize("num_seqs", [4, 256, 2048])
+def test_async_scheduling_hides_the_whole_host_step_behind_the_gpu_and_pays_only_what_exceeds_it(num_seqs):
+    """TensorRT-LLM's and SGLang's overlap schedulers, vLLM's --async-scheduling: the next step is
+    scheduled and the last one's outputs processed while the GPU runs, so a step costs
+    max(GPU, host) (plus launches), where the host's critical step otherwise adds to it."""
+    model, profile = load_model("llama31_8b"), load_profile("h100")
+    overlap = LatencyModel(model, profile, 1, "bf16", VLLM_CAPTURE_SIZES, async_scheduling=True)
+    plain = LatencyModel(model, profile, 1, "bf16", VLLM_CAPTURE_SIZES)
+    shape = decode(num_seqs)
+    o, p = overlap.breakdown(shape), plain.breakdown(shape)
+    gpu, host = gpu_part(o), plain.cpu_time(num_seqs) + plain.cpu_output_time(num_seqs)
+    assert gpu == gpu_part(p)
+    assert o["cpu"] == max(0.0, host - gpu) and o["cpu_output"] == 0.0
+    assert overlap.step_time(shape) == pytest.approx(gpu + o["launch"] + max(0.0, host - gpu), rel=1e-12)
+    assert overlap.step_time(shape) < plain.step_time(shape)
+    if num_seqs == 2048:  # short contexts: the host's 75 ms (Sarathi-Serve's per-sequence costs) outlast the GPU
+        short = overlap.breakdown(decode(num_seqs, 128))
+        assert short["cpu"] == pytest.approx(host - gpu_part(short), rel=1e-12) and short["cpu"] > 0.01
+    contexts = np.arange(num_seqs * 500, num_seqs * 500 + num_seqs * 20, num_seqs)
+    stepped = [overlap.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
+                                            num_sampled=num_seqs)) for c in contexts]
+    assert overlap.decode_step_times(num_seqs, contexts).tolist() == stepped
+
+
+def test_async_scheduling_is_off_with_pipeline_stages_and_says_so(capsys):
+    from tests.conftest import compose_config
+    from sim.run import prepare
+    setup = prepare(compose_config("run", ["+experiment=vidur_matched", "async_scheduling=true"]))
+    assert not setup.latency.async_scheduling
+    assert "async_scheduling=true has no effect with pipeline_parallel_size > 1" in capsys.readouterr().err

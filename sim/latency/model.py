@@ -106,7 +106,7 @@ class LatencyModel:
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
                  expert_parallel: bool = False, async_output_processing: bool = True,
-                 overlap_kv_load: bool = True):
+                 overlap_kv_load: bool = True, async_scheduling: bool = False):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         self.overlap_kv_load = overlap_kv_load  # tier loads beside the GPU work (sim.kvcache.tiers)
         self.pp = pipeline_parallel_size
@@ -168,6 +168,10 @@ class LatencyModel:
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
         self.async_output = async_output_processing
+        # The host's whole step (scheduling the next step, its inputs, the last step's outputs)
+        # beside the GPU's work, as TensorRT-LLM's and SGLang's overlap schedulers and vLLM's
+        # --async-scheduling run it: a step pays only the CPU time beyond its GPU time.
+        self.async_scheduling = async_scheduling
         self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp > 1)
         self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
@@ -224,9 +228,9 @@ class LatencyModel:
         if shape.num_tokens == 0:
             moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
                      **({"kv_copy": self.kv_copy_time(whole.copy_tokens)} if whole.copy_tokens else {})}
-            output = parts * self.cpu_output_time(num_seqs)
+            output = parts * self.cpu_output_time(num_seqs)  # (no outputs to wait for)
             return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs),
-                    "cpu_output": 0.0 if self.async_output else output}
+                    "cpu_output": 0.0 if self.async_output or self.async_scheduling else output}
         graph = self.graph_size(shape)
         times = self._gpu_ops(shape, graph, parts)
         if self.pp > 1 and whole.num_prefill_tokens:
@@ -244,10 +248,16 @@ class LatencyModel:
                                 else whole.kv_load_s)
         gpu = sum(times.values())
         times["launch"] = parts * self.profile.graph_launch_s if graph else max(0.0, self.eager_launch_s - gpu)
-        times["cpu"] = parts * self.cpu_time(num_seqs)
-        output = parts * self.cpu_output_time(num_seqs)
-        times["cpu_output"] = max(0.0, output - gpu) if self.async_output else output
+        times.update(self._host(parts, num_seqs, gpu))
         return times
+
+    def _host(self, parts: int, num_seqs: int, gpu: float) -> dict[str, float]:
+        """The host's step work (`cpu`: schedule, prepare inputs, sample; `cpu_output`: output
+        processing) as far as the step waits for it beside `gpu` seconds of GPU work."""
+        cpu, output = parts * self.cpu_time(num_seqs), parts * self.cpu_output_time(num_seqs)
+        if self.async_scheduling:
+            return {"cpu": max(0.0, cpu + output - gpu), "cpu_output": 0.0}
+        return {"cpu": cpu, "cpu_output": max(0.0, output - gpu) if self.async_output else output}
 
     def cpu_output_time(self, num_seqs: float) -> float:
         """The host's output processing of a step (detokenise, build and stream responses)."""
@@ -449,9 +459,11 @@ class LatencyModel:
         if "send_recv" in probe:
             gpu = gpu + probe["send_recv"]
         launch = parts * self.profile.graph_launch_s if graph else np.maximum(0.0, self.eager_launch_s - gpu)
-        output = parts * self.cpu_output_time(num_seqs)
+        cpu, output = parts * self.cpu_time(num_seqs), parts * self.cpu_output_time(num_seqs)
+        if self.async_scheduling:
+            return gpu + launch + np.maximum(0.0, cpu + output - gpu) + 0.0
         hidden = np.maximum(0.0, output - gpu) if self.async_output else output
-        return gpu + launch + probe["cpu"] + hidden
+        return gpu + launch + cpu + hidden
 
 
 # Kernels one eager forward pass launches, as vLLM's model code runs them (my reading of

@@ -52,8 +52,8 @@ STEP_END, WAKE = range(2)
 # Parameters (int64).
 (P_REPLICAS, P_BLOCK_SIZE, P_NUM_BLOCKS, P_MAX_SEQS, P_BUDGET, P_CHUNKED, P_MAX_MODEL_LEN,
  P_RESERVE_FULL, P_PP, P_ROUTER, P_LAYERS, P_ASYNC_OUTPUT, P_EXPERT_PARALLEL, P_NEXT_ROUND_ROBIN,
- P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING, P_NO_EVICT) = range(19)
-PARAM_INTS = 19
+ P_NEXT_START, P_NUM_LATER, P_LATER_COUNT, P_CACHING, P_NO_EVICT, P_ASYNC_SCHEDULING) = range(20)
+PARAM_INTS = 20
 # The block pool with prefix caching (core.run's pool tuple; the functions below take its arrays
 # one by one, as a tuple argument costs a reference count per array), per replica, kept in runs
 # of blocks rather than block by block (block ids never matter, only which keys are cached and
@@ -225,7 +225,9 @@ def step_time(pi, pf, shape, tokens_table, graph_table, lm_table, lm_graph, cpu_
         launch = max(0.0, pf[P_EAGER_LAUNCH_S] - gpu)
     cpu = p * cpu_table[row, whole_seqs]
     output = p * output_table[row, whole_seqs]
-    if pi[P_ASYNC_OUTPUT]:
+    if pi[P_ASYNC_SCHEDULING]:  # (LatencyModel.breakdown)
+        cpu, output = max(0.0, cpu + output - gpu), 0.0
+    elif pi[P_ASYNC_OUTPUT]:
         output = max(0.0, output - gpu)
     return gpu + launch + cpu + output
 

@@ -62,6 +62,7 @@ def latency_tables(latency: LatencyModel, max_tokens: int, max_seqs: int) -> tup
 def latency_parameters(latency: LatencyModel) -> tuple[dict, dict]:
     """The step clock's entries of core's int and float parameters."""
     ints = {core.P_PP: latency.pp, core.P_LAYERS: latency.model.num_layers,
-            core.P_ASYNC_OUTPUT: int(latency.async_output), core.P_EXPERT_PARALLEL: int(latency.expert_parallel)}
+            core.P_ASYNC_OUTPUT: int(latency.async_output), core.P_EXPERT_PARALLEL: int(latency.expert_parallel),
+            core.P_ASYNC_SCHEDULING: int(latency.async_scheduling)}
     floats = {core.P_GRAPH_LAUNCH_S: latency.profile.graph_launch_s, core.P_EAGER_LAUNCH_S: latency.eager_launch_s}
     return ints, floats
