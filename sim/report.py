@@ -92,7 +92,7 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("quantization", cfg.get("quantization"), None),
-        ("async_scheduling", cfg.get("async_scheduling", False), False),
+        ("async_scheduling", cfg.get("async_scheduling", False) and cfg.get("pipeline_parallel_size", 1) == 1, False),
         ("capacity_scheduler_policy", cfg.get("capacity_scheduler_policy", "max_utilization"), "max_utilization"))
         if value != default)
     replicas = cfg.cluster.num_replicas if replicas is None else replicas

@@ -182,8 +182,11 @@ def prepare(cfg: DictConfig) -> Setup:
               file=sys.stderr)
     async_scheduling = spec.async_scheduling and spec.pipeline_parallel_size == 1
     if spec.async_scheduling and not async_scheduling:
-        print("warning: async_scheduling=true has no effect with pipeline_parallel_size > 1 (vLLM turns it off "
-              "there too); fix: leave it false", file=sys.stderr)
+        print("warning: async_scheduling=true has no effect with pipeline_parallel_size > 1 (kvsim does not "
+              "model it with pipeline stages; vLLM 0.14 excluded them too); fix: leave it false", file=sys.stderr)
+    elif async_scheduling and not spec.async_output_processing:
+        print("warning: async_output_processing=false has no effect with async_scheduling=true (the whole host "
+              "step runs beside the GPU's); fix: leave it true", file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
                            spec.kv_offload.overlap_load, async_scheduling)

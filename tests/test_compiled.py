@@ -31,6 +31,10 @@ CASES = {
     "async_scheduling_bench": ["scenario=bench", "model=llama31_8b", "gpu=h100", "tensor_parallel_size=1",
                                "scenario.num_prompts=200", "scenario.input_len=512", "scenario.output_len=64",
                                "max_num_seqs=64", "async_scheduling=true"],
+    # The host's step (Sarathi-Serve's per-sequence prior) outlasting a B200's GPU time at large batches.
+    "async_scheduling_host_bound": ["scenario=bench", "model=llama31_8b", "gpu=b200", "tensor_parallel_size=1",
+                                    "scenario.num_prompts=1200", "scenario.input_len=128", "scenario.output_len=32",
+                                    "max_num_seqs=1024", "async_scheduling=true", "kv_cache_memory_bytes=null"],
     "bench_all_at_once": ["scenario=bench", "model=llama31_8b", "gpu=h100", "tensor_parallel_size=1",
                           "scenario.num_prompts=200", "scenario.input_len=512", "scenario.output_len=64",
                           "max_num_seqs=64"],

@@ -145,10 +145,11 @@ def test_async_scheduling_hides_the_whole_host_step_behind_the_gpu_and_pays_only
     if num_seqs == 2048:  # short contexts: the host's 75 ms (Sarathi-Serve's per-sequence costs) outlast the GPU
         short = overlap.breakdown(decode(num_seqs, 128))
         assert short["cpu"] == pytest.approx(host - gpu_part(short), rel=1e-12) and short["cpu"] > 0.01
-    contexts = np.arange(num_seqs * 500, num_seqs * 500 + num_seqs * 20, num_seqs)
-    stepped = [overlap.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
-                                            num_sampled=num_seqs)) for c in contexts]
-    assert overlap.decode_step_times(num_seqs, contexts).tolist() == stepped
+    for context in (500, 64):  # at 64 tokens a sequence the host outlasts the GPU from 2,048 sequences on
+        contexts = np.arange(num_seqs * context, num_seqs * context + num_seqs * 20, num_seqs)
+        stepped = [overlap.step_time(BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=int(c),
+                                                num_sampled=num_seqs)) for c in contexts]
+        assert overlap.decode_step_times(num_seqs, contexts).tolist() == stepped
 
 
 def test_async_scheduling_is_off_with_pipeline_stages_and_says_so(capsys):
@@ -157,3 +158,5 @@ def test_async_scheduling_is_off_with_pipeline_stages_and_says_so(capsys):
     setup = prepare(compose_config("run", ["+experiment=vidur_matched", "async_scheduling=true"]))
     assert not setup.latency.async_scheduling
     assert "async_scheduling=true has no effect with pipeline_parallel_size > 1" in capsys.readouterr().err
+    prepare(compose_config("run", ["+experiment=golden", "async_scheduling=true", "async_output_processing=false"]))
+    assert "async_output_processing=false has no effect with async_scheduling=true" in capsys.readouterr().err

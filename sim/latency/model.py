@@ -228,7 +228,7 @@ class LatencyModel:
         if shape.num_tokens == 0:
             moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
                      **({"kv_copy": self.kv_copy_time(whole.copy_tokens)} if whole.copy_tokens else {})}
-            output = parts * self.cpu_output_time(num_seqs)  # (no outputs to wait for)
+            output = parts * self.cpu_output_time(num_seqs)
             return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs),
                     "cpu_output": 0.0 if self.async_output or self.async_scheduling else output}
         graph = self.graph_size(shape)
