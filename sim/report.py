@@ -88,7 +88,7 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     """model, GPU, parallelism and precision (where not the default), replicas, scenario and, in a
     sweep, the job's overrides."""
     scenario = hydra_cfg.runtime.choices.get("scenario") if hydra_cfg is not None else None
-    extra = "".join(f" {key}={value}" for key, value, default in (
+    extra = "".join(f" {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value, default in (
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("quantization", cfg.get("quantization"), None),

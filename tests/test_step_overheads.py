@@ -160,3 +160,13 @@ def test_async_scheduling_is_off_with_pipeline_stages_and_says_so(capsys):
     assert "async_scheduling=true has no effect with pipeline_parallel_size > 1" in capsys.readouterr().err
     prepare(compose_config("run", ["+experiment=golden", "async_scheduling=true", "async_output_processing=false"]))
     assert "async_output_processing=false has no effect with async_scheduling=true" in capsys.readouterr().err
+
+
+def test_the_runs_title_says_async_scheduling_where_it_runs_spelled_as_the_cli_takes_it():
+    from sim.report import run_title
+    from tests.conftest import compose_config
+    assert "async_scheduling" not in run_title(compose_config("run", []))
+    assert " async_scheduling=true " in run_title(compose_config("run", ["async_scheduling=true"]))
+    pp = compose_config("run", ["async_scheduling=true", "pipeline_parallel_size=2"])
+    assert "async_scheduling" not in run_title(pp)  # no effect under pipeline stages (warned)
+    assert " enable_expert_parallel=true " in run_title(compose_config("run", ["enable_expert_parallel=true"]))
