@@ -143,7 +143,8 @@ def predict_task(cfg: DictConfig) -> None:
         except (KeyError, ValueError) as exc:
             raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
                            f"give {op} rows numbers for {', '.join(c for c in needed if c != 'dtype')}"
-                           + (" and a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in needed else "")) from None
+                           + (" and a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in needed
+                              else "")) from None
         if op == "all_reduce":
             out[index] = engine_all_reduce(rows, profile)
         elif op == "gemm":  # each dtype's own operator (gemm_fp8, gemm_fp4), as the simulator picks it

@@ -30,7 +30,8 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling", "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
+           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling",
+           "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
            "not_run_reason", "caveat", "known_gap", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
