@@ -183,7 +183,9 @@ def show_task(cfg: DictConfig) -> None:
           + (f"  date={profile['date']}" if profile.get("date") else ""))
     print(f"memory {profile['memory_bytes'] / 2**30:.1f} GiB  "
           f"HBM {profile['hbm_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s  "
-          f"bf16 {flops_text(profile['bf16_flops_per_s'])}")
+          f"bf16 {flops_text(profile['bf16_flops_per_s'])}"
+          + "".join(f"  {dtype} {flops_text(profile[key])}" for dtype, key in
+                    (("fp8", "fp8_flops_per_s"), ("fp4", "fp4_flops_per_s")) if profile.get(key)))
     for name, op in profile["operators"].items():
         print(f"  {name:<18} source={op.get('source', profile['source']):<9} "
               f"e_c={op.get('compute_efficiency', op.get('link_efficiency', 1)):.3f} "

@@ -154,3 +154,13 @@ def test_disaggregation_names_the_decode_gpu_that_lacks_fp4(run_config):
                      "disaggregation.enabled=true", "disaggregation.decode_gpu=h100")
     with pytest.raises(ConfigError, match="disaggregation.decode_gpu=h100"):
         prepare_pools(cfg)
+
+
+def test_calibration_show_gives_each_tensor_core_peak_the_profile_has(tmp_path):
+    def shown(gpu):
+        out = subprocess.run([sys.executable, "-m", "calibration", "show", f"gpu={gpu}"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[1]
+    assert "fp8 4500 TFLOP/s  fp4 9000 TFLOP/s" in shown("b200")
+    assert "fp8" in shown("h100") and "fp4" not in shown("h100") and "fp8" not in shown("a100_80g")
