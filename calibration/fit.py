@@ -16,7 +16,7 @@ import pandas as pd
 from calibration.ops import AS_CATALOGUE, OPS
 from sim.latency.calibrated import CalibratedOp, CorrectionTable, Roofline
 from sim.latency.operators import ring_latency_split
-from sim.latency.profile import FALLBACKS, GPU_UNIT_FALLBACKS, OPERATORS
+from sim.latency.profile import EVERY_FALLBACK, FALLBACKS, OPERATORS, QUANTIZED_GEMMS
 
 SIMULATOR_OPERATORS = set(OPERATORS) | set(FALLBACKS)  # what sim.latency.profile reads
 
@@ -27,10 +27,6 @@ TABLE_POINTS = 32
 NUM_FOLDS = 5
 UNIDENTIFIED_LOSS = 1e-3  # an efficiency the data cannot tell from the prior's within this mean |log error|
 ROOFLINE_KEYS = ("compute_efficiency", "memory_efficiency", "t0_s", "per_seq_s", "causal_efficiency")
-
-
-# Quantized GEMMs: dtype -> (the profile's operator, its peak), as sim.latency.calibrated times them.
-QUANTIZED_GEMMS = {"fp8": ("gemm_fp8", "fp8_flops_per_s"), "nvfp4": ("gemm_fp4", "fp4_flops_per_s")}
 
 
 def _peak(profile: dict, op: str, dtype: str) -> float:
@@ -311,13 +307,12 @@ def operator_key(op: str) -> str:
 
 def operator_params(profile: dict, op: str) -> dict:
     """A profile's parameters for an op: its profile operator, else an extra fitted operator,
-    else the simulator's fallback for it (sim.latency.profile.FALLBACKS), else (never measured,
+    else the simulator's fallback for it (sim.latency.profile.EVERY_FALLBACK), else (never measured,
     unknown to the latency model) the GEMM's; a link's efficiency is its memory (and compute)
     efficiency."""
     key = operator_key(op)
     raw = (profile["operators"].get(key) or profile.get("extra_operators", {}).get(op)
-           or (FALLBACKS[key](profile) if key in FALLBACKS else
-               GPU_UNIT_FALLBACKS[key](profile) if key in GPU_UNIT_FALLBACKS else profile["operators"]["gemm"]))
+           or (EVERY_FALLBACK[key](profile) if key in EVERY_FALLBACK else profile["operators"]["gemm"]))
     link = raw.get("link_efficiency", 1.0)
     return {**raw, "compute_efficiency": raw.get("compute_efficiency", link),
             "memory_efficiency": raw.get("memory_efficiency", link)}

@@ -192,25 +192,10 @@ def with_priors(profile: dict) -> dict:
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
                     "allreduce": allreduce, **algorithms, "send_recv": send_recv, "cpu_step": CPU_STEP,
                     "cpu_output": CPU_OUTPUT}
-    if priors.gemm_fp8 and _kept(ops.get("gemm")):  # the fitted 16-bit GEMM, at the measured FP8/BF16 ratio
-        fitted, ratio = ops["gemm"], priors.gemm_fp8.value / priors.gemm.value
-        replacements["gemm_fp8"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
-                                    "source": f"prior:the fitted 16-bit GEMM ({fitted['source']}) x the FP8/BF16 "
-                                              f"ratio of {priors.gemm_fp8.source[len('prior:'):]} and of "
-                                              f"{priors.gemm.source[len('prior:'):]}"}
-    elif priors.gemm_fp8:
-        replacements["gemm_fp8"] = {**gemm, "compute_efficiency": priors.gemm_fp8.value,
-                                    "source": f"{priors.gemm_fp8.source}; {priors.memory.source}; {GEMM_T0.source}"}
-    if priors.fp4 and _kept(ops.get("gemm")):  # as FP8: the fitted 16-bit GEMM at the prior FP4/BF16 ratio
-        fitted, ratio = ops["gemm"], priors.fp4[1].value / priors.gemm.value
-        replacements["gemm_fp4"] = {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
-                                    "source": f"prior:the fitted 16-bit GEMM ({fitted['source']}) x the FP4/BF16 "
-                                              f"ratio of {priors.fp4[1].source[len('prior:'):]} and of "
-                                              f"{priors.gemm.source[len('prior:'):]}"}
-    elif priors.fp4:
-        replacements["gemm_fp4"] = {**gemm, "compute_efficiency": priors.fp4[1].value,
-                                    "source": f"{priors.fp4[1].source}; {priors.memory.source}; {GEMM_T0.source}"}
+    if priors.gemm_fp8:
+        replacements["gemm_fp8"] = _quantized_gemm(ops, gemm, priors, priors.gemm_fp8, "FP8")
     if priors.fp4:
+        replacements["gemm_fp4"] = _quantized_gemm(ops, gemm, priors, priors.fp4[1], "FP4")
         profile = {**profile, "fp4_flops_per_s": priors.fp4[0]}
     for name, values in replacements.items():
         if not _kept(ops.get(name)):
@@ -222,6 +207,18 @@ def with_priors(profile: dict) -> dict:
              "of it (calibration/priors.py); each operator's source says which, fitted ones first.")
     return {**profile, "source": source, "operators": ops, "kernel_launch_s": KERNEL_LAUNCH_S,
             "graph_launch_s": GRAPH_LAUNCH_S, "launch_source": LAUNCH_SOURCE, "notes": notes}
+
+
+def _quantized_gemm(ops: dict, gemm: dict, priors: Priors, efficiency: Figure, kind: str) -> dict:
+    """An FP8 or FP4 GEMM's prior: a fitted 16-bit GEMM at the priors' ratio of the type's
+    efficiency to bf16's, else the 16-bit GEMM's prior at the type's efficiency."""
+    if _kept(ops.get("gemm")):
+        fitted, ratio = ops["gemm"], efficiency.value / priors.gemm.value
+        return {**fitted, "compute_efficiency": round(fitted["compute_efficiency"] * ratio, 6),
+                "source": f"prior:the fitted 16-bit GEMM ({fitted['source']}) x the {kind}/BF16 "
+                          f"ratio of {efficiency.source[len('prior:'):]} and of {priors.gemm.source[len('prior:'):]}"}
+    return {**gemm, "compute_efficiency": efficiency.value,
+            "source": f"{efficiency.source}; {priors.memory.source}; {GEMM_T0.source}"}
 
 
 # Fitted operators measured on the other memory variant of the same chip (GA100; GH100, whose

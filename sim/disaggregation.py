@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from sim.config import QUANTIZATIONS
 from sim.engine.clock import Environment
 from sim.engine.disaggregated import DisaggregatedCluster, LinkSpec, PrefillReplica, ttft_split
 from sim.errors import ConfigError
@@ -20,7 +21,8 @@ from sim.recorder import Recorder
 from sim.latency.profile import load_profile
 from sim.metrics import busiest_over_mean, measured_requests
 from sim.models import model_from_config
-from sim.run import RunResult, Setup, _instantiate, add_replicas, check_tensor_parallel, prepare, summarize_run
+from sim.run import (RunResult, Setup, _instantiate, add_replicas, check_fp4_units, check_tensor_parallel, prepare,
+                     summarize_run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +49,8 @@ def prepare_pools(cfg: DictConfig) -> Pools:
         gpu, tp = d[f"{role}_gpu"], d[f"{role}_tensor_parallel_size"]
         if gpu is not None:
             profile = load_profile(gpu, f"key disaggregation.{role}_gpu")
-            if cfg.quantization in ("nvfp4", "modelopt_fp4") and not profile.fp4_flops_per_s:
-                raise ConfigError(f"NVFP4 weights need FP4 tensor cores, which disaggregation.{role}_gpu={gpu} "
-                                  f"({profile.gpu_name}) lacks, key disaggregation.{role}_gpu, use a Blackwell GPU "
-                                  "(b200) or quantization=fp8")
+            check_fp4_units(QUANTIZATIONS.get(cfg.quantization) or model.weight_dtype, profile,
+                            f"disaggregation.{role}_gpu", gpu)
         if tp is not None:
             check_tensor_parallel(model, tp, f"disaggregation.{role}_tensor_parallel_size")
         overrides = {"gpu": cfg.gpu if gpu is None else gpu,

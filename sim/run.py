@@ -132,6 +132,13 @@ def _instantiate(cfg, where: str, **kwargs):
         raise ConfigError(f"cannot build {where} ({exc}), {where}, fix or remove the offending key") from None
 
 
+def check_fp4_units(weight_dtype: str, profile, key: str, gpu: str) -> None:
+    """NVFP4 weights run only where the GPU (chosen by `key`) has FP4 tensor cores."""
+    if weight_dtype == "nvfp4" and not profile.fp4_flops_per_s:
+        raise ConfigError(f"NVFP4 weights need FP4 tensor cores, which {key}={gpu} ({profile.gpu_name}) lacks, "
+                          f"key {key}, use a Blackwell GPU ({key}=b200) or quantization=fp8")
+
+
 def check_tensor_parallel(model, tensor_parallel_size: int, key: str) -> None:
     """A TP group splits the query heads evenly (vLLM refuses a size that does not divide them), and
     a Mamba-2 layer's heads, and its groups unless there is one (vLLM's MambaMixer2 asserts both)."""
@@ -162,9 +169,7 @@ def prepare(cfg: DictConfig) -> Setup:
     _check_context_window(model, spec.max_model_len)
     check_tensor_parallel(model, spec.tensor_parallel_size, "tensor_parallel_size")
     profile = load_profile(spec.gpu)
-    if model.weight_dtype == "nvfp4" and not profile.fp4_flops_per_s:
-        raise ConfigError(f"NVFP4 weights need FP4 tensor cores, which gpu={spec.gpu} ({profile.gpu_name}) lacks, "
-                          "key quantization, use a Blackwell GPU (gpu=b200) or quantization=fp8")
+    check_fp4_units(model.weight_dtype, profile, "gpu", spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
                         kv_dtype=kv_dtype, block_size=spec.block_size,

@@ -22,3 +22,16 @@ def request(request_id: int, segments, output_len: int = 8, **extra):
 
 def seq(seq_id: int, segments, output_len: int = 8, **kwargs) -> Seq:
     return Seq(seq_id, request(seq_id, segments, output_len), **kwargs)
+
+
+def predicted(tmp_path, rows: list[dict], gpu: str = "a100_80g"):
+    """`python -m calibration predict gpu=... shapes=... out=...` on rows (dicts of an op and its
+    shape columns), in process: the rows back with time_s, as a DataFrame."""
+    import pandas as pd
+    from omegaconf import OmegaConf
+
+    from calibration.commands import predict_task
+    shapes, out = tmp_path / "shapes.csv", tmp_path / "out.csv"
+    pd.DataFrame(rows).to_csv(shapes, index=False)
+    predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes), "out": str(out)}))
+    return pd.read_csv(out)

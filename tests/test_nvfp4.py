@@ -9,9 +9,7 @@ import sys
 from importlib import resources
 
 import pytest
-from omegaconf import OmegaConf
 
-from calibration.commands import predict_task
 from sim.errors import ConfigError
 from sim.hf_config import model_from_hf
 from sim.latency.calibrated import calibrated_gemm
@@ -19,6 +17,7 @@ from sim.latency.model import BatchShape, LatencyModel
 from sim.latency.profile import load_profile
 from sim.models import load_model
 from sim.run import prepare
+from tests.helpers import predicted
 
 
 def nvfp4(name: str):
@@ -72,11 +71,7 @@ def test_simulator_and_predict_time_quantized_gemms_alike(tmp_path):
         shapes = [((heads + 2 * kv) * 128, h, dtype), (h, heads * 128, dtype), (2 * inter, h, dtype),
                   (h, inter, dtype), (model.vocab_size, h, head)]
         rows = [{"op": "gemm", "m": tokens, "n": n, "k": k, "dtype": d} for n, k, d in shapes]
-        shapes_csv, out = tmp_path / f"{gpu}.csv", tmp_path / f"{gpu}_out.csv"
-        shapes_csv.write_text("op,m,n,k,dtype\n" + "".join(f"gemm,{r['m']},{r['n']},{r['k']},{r['dtype']}\n"
-                                                           for r in rows))
-        predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes_csv), "out": str(out)}))
-        t = [float(line.rsplit(",", 1)[1]) for line in out.read_text().splitlines()[1:]]
+        t = predicted(tmp_path, rows, gpu).time_s.tolist()
         layers = model.num_layers
         assert times["qkv_o_proj"] == pytest.approx(layers * (t[0] + t[1]), rel=1e-12)
         assert times["mlp"] == pytest.approx(layers * (t[2] + t[3]), rel=1e-12)

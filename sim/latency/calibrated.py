@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sim.latency.operators import gemm_class, gemm_work
+from sim.latency.profile import QUANTIZED_GEMMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +166,11 @@ def calibrated_gemm(profile) -> CalibratedGemm:
                         eff.memory_efficiency, eff.t0_s)
         return CalibratedOp(roof, CorrectionTable.from_json(eff.correction))
     ops = {"default": op("gemm", profile.bf16_flops_per_s)}
-    if profile.fp8_flops_per_s:  # FP8 GEMMs: their own efficiencies (gemm_fp8) on the FP8 peak
-        ops["fp8"] = op("gemm_fp8", profile.fp8_flops_per_s)
-        # Block-scaled FP8 (DeepSeek's checkpoints): the same GEMM at a share of its compute rate.
+    for dtype, (name, peak) in QUANTIZED_GEMMS.items():  # FP8, NVFP4 (W4A4): their own efficiencies and peak
+        if getattr(profile, peak):
+            ops[dtype] = op(name, getattr(profile, peak))
+    if profile.fp8_flops_per_s:  # block-scaled FP8 (DeepSeek's checkpoints): at a share of its compute rate
         ops[FP8_BLOCK] = op("gemm_fp8", profile.fp8_flops_per_s * BLOCK_SCALED_FP8_SHARE)
-    if profile.fp4_flops_per_s:  # NVFP4 GEMMs (W4A4, Blackwell): gemm_fp4 on the FP4 peak
-        ops["nvfp4"] = op("gemm_fp4", profile.fp4_flops_per_s)
     return CalibratedGemm(ops)
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from sim.errors import ConfigError, UnknownNameError
 
 OPERATORS = ("gemm", "attention_prefill", "attention_decode", "allreduce", "cpu_step")
+# Quantized GEMMs: dtype -> (the profile operator that times them, the GpuProfile peak they run
+# against, where the GPU has the type's units); other dtypes run on `gemm` at the bf16 peak.
+QUANTIZED_GEMMS = {"fp8": ("gemm_fp8", "fp8_flops_per_s"), "nvfp4": ("gemm_fp4", "fp4_flops_per_s")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +61,8 @@ class GpuProfile:
     def peak_flops(self, dtype: str) -> float:
         """The tensor-core peak a GEMM of dtype runs against (16-bit where the GPU lacks the type's
         units; NVFP4 needs FP4 units, which sim.run checks before a run)."""
-        if dtype == "fp8" and self.fp8_flops_per_s:
-            return self.fp8_flops_per_s
-        if dtype == "nvfp4" and self.fp4_flops_per_s:
-            return self.fp4_flops_per_s
-        return self.bf16_flops_per_s
+        _, peak = QUANTIZED_GEMMS.get(dtype, (None, None))
+        return (getattr(self, peak) if peak else None) or self.bf16_flops_per_s
 
 
 def _local_path(name: str) -> Path:
@@ -167,6 +167,7 @@ FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
 
 # Operators of units a GPU may lack: read (or derived) only where the profile gives the unit's peak.
 GPU_UNIT_FALLBACKS = {"gemm_fp4": _without_gemm_fp4}
+EVERY_FALLBACK = {**FALLBACKS, **GPU_UNIT_FALLBACKS}
 
 # All-reduce algorithms a system may lack (no NVSwitch, no peer-to-peer link): offered only where
 # the profile gives them (sim.latency.collectives).
@@ -179,7 +180,7 @@ def profile_from_dict(data: dict) -> GpuProfile:
     if data.get("fp4_flops_per_s"):  # only a GPU with FP4 units times NVFP4 GEMMs
         optional += ("gemm_fp4",)
     for op in OPERATORS + tuple(op for op in FALLBACKS if op not in OPERATORS) + optional:
-        raw = data["operators"][op] if op in data["operators"] else {**FALLBACKS, **GPU_UNIT_FALLBACKS}[op](data)
+        raw = data["operators"][op] if op in data["operators"] else EVERY_FALLBACK[op](data)
         ops[op] = OperatorEfficiency(
             compute_efficiency=float(raw.get("compute_efficiency", raw.get("link_efficiency", 1.0))),
             memory_efficiency=float(raw.get("memory_efficiency", raw.get("link_efficiency", 1.0))),

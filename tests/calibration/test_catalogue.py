@@ -11,24 +11,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
-from calibration.commands import predict_task
 from calibration.fit import fit_profile, fit_roofline, prepare
 from sim.latency.model import BatchShape, LatencyModel
 from sim.latency.operators import CATALOGUE, CAUSAL_TILE
 from sim.latency.profile import load_profile
 from sim.models import load_model
+from tests.helpers import predicted
 
 DATA = Path(__file__).parent.parent / "data"
 HEADS = {"num_q_heads": 32, "num_kv_heads": 4, "head_dim": 128, "dtype": "bf16"}  # Llama-2-70B, TP 2
-
-
-def predicted(tmp_path, rows: list[dict], gpu: str = "a100_80g") -> pd.DataFrame:
-    shapes, out = tmp_path / "shapes.csv", tmp_path / "out.csv"
-    pd.DataFrame(rows).to_csv(shapes, index=False)
-    predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes), "out": str(out)}))
-    return pd.read_csv(out)
 
 
 def test_simulator_breakdown_equals_predict_for_every_operator(tmp_path):
