@@ -83,8 +83,10 @@ def run_task(cfg: DictConfig) -> None:
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     detected = results[0].metrics["workload"]["trace_format"]
-    if detected and cfg.trace.format == "auto":
-        print(f"note: trace.format=auto read {cfg.trace.path} as {detected}", file=sys.stderr)
+    # scenario=trace reads the top-level trace.* keys; a trace scenario (sharegpt) its own scenario.*
+    prefix, spec = ("trace", cfg.scenario.trace) if "trace" in cfg.scenario else ("scenario", cfg.scenario)
+    if detected and spec.get("format") == "auto":
+        print(f"note: {prefix}.format=auto read {spec.path} as {detected}", file=sys.stderr)
     for line in unserved_warnings(results, cfg):
         print(line, file=sys.stderr)
     title = run_title(cfg, HydraConfig.get())

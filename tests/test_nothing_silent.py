@@ -101,6 +101,17 @@ def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
     assert m["num_requests"] == 6 and m["num_rejected"] == 0 and m["max_model_len"] == 131072
 
 
+def test_the_format_note_names_the_keys_the_trace_scenario_read(tmp_path):
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text("num_prefill_tokens,num_decode_tokens\n100,5\n200,7\n")
+    stated = run(tmp_path, "scenario=sharegpt", f"scenario.path={lengths}", "scenario.max_requests=null")
+    assert stated.returncode == 0, stated.stderr
+    assert "format=auto" not in stated.stderr  # sharegpt states format: length_stats
+    detected = run(tmp_path, "scenario=sharegpt", f"scenario.path={lengths}", "scenario.format=auto")
+    assert detected.returncode == 0, detected.stderr
+    assert f"note: scenario.format=auto read {lengths} as length_stats" in detected.stderr
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["scenario=chat", "trace.path=sample:mooncake"], ["trace.path is set but scenario=chat reads no trace",
                                                         "add scenario=trace"]),
