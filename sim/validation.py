@@ -3,7 +3,9 @@ engine) simulated as that benchmark ran, and kvsim / published per row.
 
 A row is run as `scenario=bench` (fixed lengths) or `scenario=sharegpt` with the row's model,
 GPU profile, precision, parallelism, engine limits and load; its metric is read from the run's
-vllm_bench block. A benchmark that drives the engine in-process (`harness`: trtllm-bench,
+vllm_bench block. A row whose GPUs hold several engines (`num_gpus` over TP x PP: MLPerf's systems
+of eight GPUs) runs them as replicas with requests dealt round-robin, and its metric is the
+system's. A benchmark that drives the engine in-process (`harness`: trtllm-bench,
 gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP serving overhead; TensorRT-LLM's rows
 run its default capacity policy (capacity_scheduler_policy=guaranteed_no_evict). Rows kvsim cannot run (a feature it does not model) are kept with their reason
 and count as misses; the rows check the model and never train it (no factor is fitted to them).
@@ -29,7 +31,7 @@ def default_path() -> Path:
 WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
-COLUMNS = ("id", "engine", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
+COLUMNS = ("id", "engine", "num_gpus", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
            "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling",
            "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
@@ -75,7 +77,10 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
     keys = [f"model={row['model']}", f"gpu={row['gpu']}", f"tensor_parallel_size={row['tensor_parallel_size']}",
             f"quantization={_optional(row['quantization'])}", f"kv_cache_dtype={row['kv_cache_dtype']}",
             f"max_num_seqs={row['max_num_seqs']}", f"gpu_memory_utilization={row['gpu_memory_utilization']}",
-            "allocators=[paged]", "cluster.num_replicas=1", "plots=false", "quiet=true", "progress=false"]
+            "allocators=[paged]", f"cluster.num_replicas={engines(row)}", "plots=false", "quiet=true",
+            "progress=false"]
+    if engines(row) > 1:  # one system of several engines (MLPerf): its harness deals the queries out
+        keys.append("router=round_robin")
     if row["pipeline_parallel_size"] not in ("", "1"):
         keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
     if row["enable_expert_parallel"] == "true":
@@ -103,11 +108,20 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
             f"max_model_len={total if sized else 'null'}"]
 
 
+def gpus_per_engine(row: dict) -> int:
+    return int(row["tensor_parallel_size"]) * int(row["pipeline_parallel_size"] or 1)
+
+
+def engines(row: dict) -> int:
+    """The engines (kvsim replicas) on the row's GPUs: one unless the source ran several."""
+    return max(1, int(row["num_gpus"] or 0) // gpus_per_engine(row))
+
+
 def metric_value(metrics: dict, row: dict) -> float:
     key, per_gpu = METRICS[row["metric"]]
     value = float(metrics["vllm_bench"][key])
     if per_gpu:
-        value /= int(row["tensor_parallel_size"]) * int(row["pipeline_parallel_size"] or 1)
+        value /= gpus_per_engine(row) * engines(row)
     return value
 
 
@@ -174,7 +188,10 @@ def run_rows(frame: pd.DataFrame, simulate, native_window, max_prompts: int | No
 
 
 def _lengths(row: dict) -> str:
-    return "sharegpt" if row["dataset"] == "sharegpt" else f"{row['input_len']}/{row['output_len']}"
+    if row["dataset"] == "sharegpt":
+        return "sharegpt"
+    means = "" if row["dataset"] == "fixed" else f" ({row['dataset']} means)"
+    return f"{row['input_len']}/{row['output_len']}{means}"
 
 
 def _load(row: dict) -> str:

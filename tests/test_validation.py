@@ -34,6 +34,20 @@ def test_each_row_becomes_the_run_keys_of_its_benchmark():
     assert not any(key.startswith("serving_overhead_s") for key in validation.overrides(served, 131072))
 
 
+def test_a_system_of_several_engines_runs_them_as_replicas_and_reports_the_systems_figure():
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    row = frame[frame.id == "R046"].iloc[0].to_dict()  # MLPerf Offline: 8 H100s as 4 TP-2 engines
+    keys = validation.overrides(row, native_window=4096)
+    assert {"cluster.num_replicas=4", "router=round_robin", "tensor_parallel_size=2",
+            "scenario.request_rate=inf", "scenario.input_len=222"} <= set(keys)
+    metrics = {"vllm_bench": {"output_throughput": 8000.0}}
+    assert validation.metric_value(metrics, row) == 8000.0  # the system's tokens per second
+    assert validation.metric_value(metrics, {**row, "metric": "output_throughput_per_gpu"}) == 1000.0
+    single = frame[frame.id == "R012"].iloc[0].to_dict()
+    assert "cluster.num_replicas=1" in validation.overrides(single, 4096)
+    assert not any(key.startswith("router=") for key in validation.overrides(single, 4096))
+
+
 def test_a_miss_carries_the_rows_caveat_and_a_row_not_run_its_reason():
     assert validation.status({"caveat": "static batching", "not_run_reason": ""}, 0.5) == ("miss", "static batching")
     assert validation.status({"caveat": "", "not_run_reason": ""}, -0.1) == ("within", "")
