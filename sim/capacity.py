@@ -2,7 +2,8 @@
 
     pool = gpu_memory_utilization * memory * GPUs - weights - activation reserve * GPUs
 
-over the replica's TP x PP GPUs, unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it.
+over the replica's TP x PP x DP GPUs (with data-parallel attention every rank stores all but the
+routed experts: ModelSpec.stored_weight_bytes), unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it.
 A token's KV is stored `ModelSpec.kv_replication(TP)` times across a TP group (REFERENCE.md
 section 1); pipeline stages hold their own layers' KV, and every stage keeps as many blocks as
 the one with the most layers can (ceil(layers / PP) of them), as vLLM sizes one pool for all.
@@ -56,21 +57,23 @@ class KvPool:
 
 
 def _pool_bytes(model: ModelSpec, profile: GpuProfile, tp: int, utilization: float,
-                reserve_per_gpu: float) -> float:
-    return utilization * profile.memory_bytes * tp - model.weight_bytes - reserve_per_gpu * tp
+                reserve_per_gpu: float, dp: int = 1) -> float:
+    gpus = tp * dp
+    return utilization * profile.memory_bytes * gpus - model.stored_weight_bytes(dp) - reserve_per_gpu * gpus
 
 
 def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size: int,
                  kv_dtype: str, block_size: int, max_model_len: int,
                  gpu_memory_utilization: float, activation_reserve_bytes: float,
-                 kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1) -> KvPool:
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
+                 kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1,
+                 data_parallel_size: int = 1) -> KvPool:
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
     most_layers = -(-model.num_layers // pp)  # ceil: the most loaded stage
     scale = model.kv_replication(tp) * (most_layers * pp / model.num_layers)
     if kv_cache_memory_bytes is not None:
-        pool = float(kv_cache_memory_bytes) * tp * pp
+        pool = float(kv_cache_memory_bytes) * tp * pp * dp
     else:
-        pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes)
+        pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes, dp)
     block_size = model.engine_block_size(block_size, kv_dtype, tp)  # (raised for state layers)
     layout = hybrid_layout(model.layer_groups, [model.entry_bytes(g, kv_dtype) for g in model.layer_groups],
                            block_size, scale, model.kv_replication(tp))
@@ -82,7 +85,7 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
         one_sequence = sum(kind.blocks(0, max_model_len) * kind.per_block * kind.page_bytes
                            for kind in layout.page_kinds)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
-    if num_blocks * block_size * bytes_per_token < one_sequence:
+    if num_blocks * block_size * bytes_per_token / dp < one_sequence:  # a sequence lives on one rank
         raise ConfigError(_does_not_fit(model, profile, tp, pool, one_sequence, max_model_len,
                                         gpu_memory_utilization, activation_reserve_bytes,
                                         kv_cache_memory_bytes is not None))

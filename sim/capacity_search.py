@@ -154,7 +154,7 @@ def search_replicas(setup: Setup, workload: Workload, allocator: str, spec: Capa
     while high is not None and high - low > 1 and len(rows) < spec.max_steps:
         middle = (low + high) // 2
         low, high = (low, middle) if meets(middle) else (middle, high)
-    gpus = setup.spec.tensor_parallel_size * setup.spec.pipeline_parallel_size
+    gpus = setup.spec.gpus_per_replica
     result = {"min_replicas": high, "min_gpus": None if high is None else high * gpus,
               "rate_rps": offered_rate_rps(workload), "num_steps": len(rows),
               "bracketed": high is not None and high - low <= 1}

@@ -157,6 +157,7 @@ class RunConfig:
     cudagraph_capture_sizes: Optional[List[int]] = None
     quantization: Optional[str] = None
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     serving_overhead_s: float = 0.0
     enable_expert_parallel: bool = False
     async_output_processing: bool = True
@@ -237,6 +238,7 @@ class EngineSpec:
     cudagraph_capture_sizes: tuple[int, ...] = ()  # decode batches replayed as CUDA graphs (): eager
     quantization: Optional[str] = None  # fp8 or nvfp4: the weights (and GEMMs) in that type, as vLLM's --quantization
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
+    data_parallel_size: int = 1          # attention ranks per replica (each a TP group), experts over all
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
@@ -244,6 +246,10 @@ class EngineSpec:
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
     slo: SloSpec = SloSpec()             # latency targets the metrics check
     kv_offload: OffloadSpec = OffloadSpec()  # KV tiers below HBM (all off by default)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -280,6 +286,9 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
              f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1",
              "use 1 or more stages (at most the model's layers; uneven splits are allowed, as in vLLM)")
+    _require(c["data_parallel_size"] >= 1, "data_parallel_size",
+             f"data_parallel_size={c['data_parallel_size']} is below 1",
+             "use 1, or the attention ranks of a MoE replica with enable_expert_parallel=true")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",
@@ -344,6 +353,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         exclude_drain=c["measure"]["exclude_drain"], step_exact=c["step_exact"], engine=c["engine"],
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=QUANTIZATIONS[c["quantization"]], pipeline_parallel_size=c["pipeline_parallel_size"],
+        data_parallel_size=c["data_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
         async_output_processing=c["async_output_processing"], async_scheduling=c["async_scheduling"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),

@@ -73,7 +73,7 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
     env, recorder = Environment(), Recorder()
     router = _instantiate(router_cfg, "router config")
     queue_order = None if queue_order_cfg is None else _instantiate(queue_order_cfg, "queue_order config")
-    ranks = prefill.spec.tensor_parallel_size * prefill.spec.pipeline_parallel_size
+    ranks = prefill.spec.gpus_per_replica
     link = LinkSpec(pools.link_bandwidth_bytes_per_s, pools.link_latency_s, prefill.pool.bytes_per_token, ranks)
     cluster = DisaggregatedCluster(env, router, recorder, prefill.spec.max_model_len, link,
                                    prefill.spec.num_replicas, prefill.spec.serving_overhead_s,

@@ -218,6 +218,12 @@ class ModelSpec:
         kept = min(self.num_params, self.unquantized_params)
         return kept * DTYPE_BYTES["bf16"] + (self.num_params - kept) * DTYPE_BYTES[self.weight_dtype]
 
+    def stored_weight_bytes(self, data_parallel_size: int = 1) -> float:
+        """Weight bytes one replica stores: with data-parallel attention each rank keeps all but
+        the routed experts, which are spread once over every rank (vLLM's DP + EP)."""
+        routed = self.num_moe_layers * self.num_experts * self.expert_params * DTYPE_BYTES[self.weight_dtype]
+        return self.weight_bytes + (data_parallel_size - 1) * (self.weight_bytes - routed)
+
     @property
     def unquantized_params(self) -> float:
         """Parameters a quantized checkpoint keeps in 16 bits: the embeddings and the LM head

@@ -91,6 +91,7 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     extra = "".join(f" {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value, default in (
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
+        ("data_parallel_size", cfg.get("data_parallel_size", 1), 1),
         ("quantization", cfg.get("quantization"), None),
         ("async_scheduling", cfg.get("async_scheduling", False) and cfg.get("pipeline_parallel_size", 1) == 1, False),
         ("capacity_scheduler_policy", cfg.get("capacity_scheduler_policy", "max_utilization"), "max_utilization"))

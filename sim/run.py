@@ -81,7 +81,7 @@ def attach_tiers(setup: Setup, allocators: list) -> list[TierChain]:
     block_bytes = pool.bytes_per_token * pool.block_size
     shared_gib = spec.shared_store_gib(setup.spec.num_replicas)
     shared = Tier("shared", int(shared_gib * 2**30 // block_bytes), spec.eviction) if shared_gib else None
-    ranks = setup.spec.tensor_parallel_size * setup.spec.pipeline_parallel_size
+    ranks = setup.spec.gpus_per_replica
     chains = []
     for allocator in allocators:
         if takes_tiers(allocator):
@@ -155,6 +155,23 @@ def check_tensor_parallel(model, tensor_parallel_size: int, key: str) -> None:
                    lambda n: g.ssm_heads % n == 0 and (g.ssm_groups == 1 or g.ssm_groups % n == 0))
 
 
+def check_data_parallel(model, spec) -> None:
+    """data_parallel_size > 1: attention ranks of a MoE replica whose experts span them all (vLLM's
+    DP + EP); a dense model's data parallelism is replicas (cluster.num_replicas)."""
+    if spec.data_parallel_size == 1:
+        return
+    where = f"data_parallel_size={spec.data_parallel_size}"
+    if not model.num_moe_layers:
+        raise ConfigError(f"{where} with {model.name}, which has no experts, key data_parallel_size, "
+                          f"use cluster.num_replicas for independent engines (or a MoE model)")
+    if not spec.enable_expert_parallel:
+        raise ConfigError(f"{where} without expert parallelism, key enable_expert_parallel, set it true "
+                          f"(kvsim models data-parallel attention with the experts spread over every rank)")
+    if spec.pipeline_parallel_size > 1:
+        raise ConfigError(f"{where} with pipeline_parallel_size={spec.pipeline_parallel_size}, key "
+                          f"pipeline_parallel_size, use 1 (kvsim does not combine the two)")
+
+
 def prepare(cfg: DictConfig) -> Setup:
     """Validate everything that can fail before any simulation starts."""
     model = model_from_config(cfg.model)
@@ -171,17 +188,19 @@ def prepare(cfg: DictConfig) -> Setup:
     profile = load_profile(spec.gpu)
     check_fp4_units(model.weight_dtype, profile, "gpu", spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
+    check_data_parallel(model, spec)
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
                         kv_dtype=kv_dtype, block_size=spec.block_size,
                         max_model_len=spec.max_model_len,
                         gpu_memory_utilization=spec.gpu_memory_utilization,
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-                        pipeline_parallel_size=spec.pipeline_parallel_size)
+                        pipeline_parallel_size=spec.pipeline_parallel_size,
+                        data_parallel_size=spec.data_parallel_size)
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
-    if spec.enable_expert_parallel and not (model.num_moe_layers and spec.tensor_parallel_size > 1):
+    if spec.enable_expert_parallel and not (model.num_moe_layers and spec.tensor_parallel_size * spec.data_parallel_size > 1):
         why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
               file=sys.stderr)
@@ -194,7 +213,7 @@ def prepare(cfg: DictConfig) -> Setup:
               "step runs beside the GPU's); fix: leave it true", file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
-                           spec.kv_offload.overlap_load, async_scheduling)
+                           spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -392,9 +411,10 @@ def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queu
                  workload: Workload, on_finish, first_index: int = 0, replica_class=Replica) -> list:
     """setup.spec.num_replicas replicas (indices from first_index) into the cluster; their allocators."""
     spec = setup.spec
-    gpus = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    gpus, dp = spec.gpus_per_replica, spec.data_parallel_size
     swap_tokens = int(spec.swap_space_bytes * gpus // setup.pool.bytes_per_token)
-    scheduler_spec = SchedulerSpec(spec.max_num_seqs, spec.max_num_batched_tokens,
+    # (limits per data-parallel rank, as vLLM's: the replica schedules its ranks' sequences together)
+    scheduler_spec = SchedulerSpec(spec.max_num_seqs * dp, spec.max_num_batched_tokens * dp,
                                    spec.enable_chunked_prefill, spec.max_model_len,
                                    spec.preemption_mode, swap_tokens,
                                    spec.scheduler_reserve_full_isl, spec.watermark,

@@ -32,9 +32,9 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "num_gpus", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling",
+           "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling",
            "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
-           "request_rate", "max_num_seqs", "gpu_memory_utilization", "metric", "value", "unit", "run",
+           "request_rate", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "metric", "value", "unit", "run",
            "not_run_reason", "caveat", "known_gap", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
 METRICS = {"output_throughput": ("output_throughput", False),
@@ -83,8 +83,12 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append("router=round_robin")
     if row["pipeline_parallel_size"] not in ("", "1"):
         keys.append(f"pipeline_parallel_size={row['pipeline_parallel_size']}")
+    if row["data_parallel_size"] not in ("", "1"):  # attention ranks (TensorRT-LLM's enable_attention_dp)
+        keys.append(f"data_parallel_size={row['data_parallel_size']}")
     if row["enable_expert_parallel"] == "true":
         keys.append("enable_expert_parallel=true")
+    if row["max_num_batched_tokens"]:  # the source's token budget per step (per rank)
+        keys.append(f"max_num_batched_tokens={row['max_num_batched_tokens']}")
     if row["engine"] == "TensorRT-LLM":  # its default capacity policy (SchedulerConfig): never preempts
         keys.append("capacity_scheduler_policy=guaranteed_no_evict")
     if row["harness"] == "in-process":  # trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks
@@ -109,7 +113,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
 
 
 def gpus_per_engine(row: dict) -> int:
-    return int(row["tensor_parallel_size"]) * int(row["pipeline_parallel_size"] or 1)
+    return (int(row["tensor_parallel_size"]) * int(row["pipeline_parallel_size"] or 1)
+            * int(row["data_parallel_size"] or 1))
 
 
 def engines(row: dict) -> int:

@@ -106,8 +106,11 @@ class LatencyModel:
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
                  expert_parallel: bool = False, async_output_processing: bool = True,
-                 overlap_kv_load: bool = True, async_scheduling: bool = False):
+                 overlap_kv_load: bool = True, async_scheduling: bool = False, data_parallel_size: int = 1):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
+        # Data-parallel attention: dp ranks of tp GPUs, each with its own sequences (a step waits
+        # for the busiest rank: rank_shape), the experts spread over all of them.
+        self.dp = data_parallel_size
         self.overlap_kv_load = overlap_kv_load  # tier loads beside the GPU work (sim.kvcache.tiers)
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
@@ -172,10 +175,10 @@ class LatencyModel:
         # beside the GPU's work, as TensorRT-LLM's and SGLang's overlap schedulers and vLLM's
         # --async-scheduling run it: a step pays only the CPU time beyond its GPU time.
         self.async_scheduling = async_scheduling
-        self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp > 1)
+        self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp * self.dp > 1)
         self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
                             lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
-                            self.expert_parallel) if model.num_moe_layers else None
+                            self.expert_parallel, self.dp) if model.num_moe_layers else None
         self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, link)
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, link)
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
@@ -223,7 +226,7 @@ class LatencyModel:
         their sum (left to right) is step_time(shape)."""
         whole = shape
         parts = self.micro_batches(whole.num_prefill_seqs + whole.num_decode_seqs)
-        shape = whole.micro_batch(parts)
+        shape = whole.micro_batch(parts) if self.dp == 1 else self.rank_shape(whole)
         num_seqs = shape.num_prefill_seqs + shape.num_decode_seqs
         if shape.num_tokens == 0:
             moves = {**({"swap": self.swap_time(whole.swap_tokens)} if whole.swap_tokens else {}),
@@ -232,7 +235,9 @@ class LatencyModel:
             return {**moves, "launch": 0.0, "cpu": parts * self.cpu_time(num_seqs),
                     "cpu_output": 0.0 if self.async_output or self.async_scheduling else output}
         graph = self.graph_size(shape)
-        times = self._gpu_ops(shape, graph, parts)
+        # Tokens every rank's MoE layers see (ranks padded alike to one CUDA-graph size)
+        every = None if self.dp == 1 else graph * self.dp if graph else whole.num_tokens
+        times = self._gpu_ops(shape, graph, parts, every)
         if self.pp > 1 and whole.num_prefill_tokens:
             # A prefill chunk is not split across micro-batches: it crosses every stage in turn.
             chunk = dataclasses.replace(whole, num_decode_seqs=0, decode_context_tokens=0,
@@ -267,15 +272,34 @@ class LatencyModel:
         """Micro-batches in flight: one per pipeline stage, but never more than sequences."""
         return max(1, min(self.pp, num_seqs))
 
-    def _gpu_ops(self, shape: BatchShape, graph: int, parts: int) -> dict[str, float]:
+    def busy_ranks(self, num_seqs: float) -> float:
+        """Data-parallel ranks holding a sequence (balanced): all, or one per sequence."""
+        return max(1, min(self.dp, num_seqs))
+
+    def rank_shape(self, whole: BatchShape) -> BatchShape:
+        """The busiest data-parallel rank's share of a step, which every rank waits for at each
+        MoE layer: decodes spread evenly over the ranks, each prefill chunk whole on one rank."""
+        d, p = self.busy_ranks(whole.num_decode_seqs), self.busy_ranks(whole.num_prefill_seqs)
+        sampled_prefills = max(0, whole.num_sampled - whole.num_decode_seqs)
+        # per group: decode keys, prefill pairs, causal pairs, prefill KV tokens, indexer keys of
+        # decodes, indexer pairs of prefills (BatchShape.group_attention)
+        groups = tuple((g[0] / d, g[1] / p, g[2] / p, g[3] / p, g[4] / d, g[5] / p) for g in whole.group_attention)
+        return BatchShape(whole.num_prefill_tokens / p, whole.num_prefill_seqs / p, whole.prefill_context_pairs / p,
+                          whole.prefill_causal_pairs / p, whole.prefill_kv_tokens / p, whole.num_decode_seqs / d,
+                          whole.decode_context_tokens / d, whole.num_decode_seqs / d + sampled_prefills / p,
+                          whole.swap_tokens, whole.copy_tokens, whole.kv_load_s, groups)
+
+    def _gpu_ops(self, shape: BatchShape, graph: int, parts: int, every: float | None = None) -> dict[str, float]:
         """GPU operators of a round of `parts` micro-batches like `shape` through every stage
         (without pipeline stages: one step of it); each micro-batch's activations cross the
-        pp - 1 stage boundaries."""
+        pp - 1 stage boundaries. With data-parallel attention `shape` is one rank's and `every`
+        the tokens of all ranks, which the MoE layers run."""
         m, tokens = self.model, shape.num_tokens
         padded, sampled = (graph, graph) if graph else (tokens, shape.num_sampled)
-        per_token = self._per_token_count.get(padded)
+        key = padded if self.dp == 1 else (padded, every)
+        per_token = self._per_token_count.get(key)
         if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
-            per_token = self._per_token_count[padded] = self._token_ops(padded)
+            per_token = self._per_token_count[key] = self._token_ops(padded, every)
         lm_head = self.lm_head_time(sampled)
         qkv_o_proj, mlp, allreduce, all_to_all, elementwise = per_token
         times = {
@@ -311,32 +335,35 @@ class LatencyModel:
         cpu_output_time."""
         return self.cpu_op.time("step", num_seqs, cpu_step_work)
 
-    def _token_ops(self, tokens: int) -> tuple[float, float, float, float, float]:
+    def _token_ops(self, tokens: float, every: float | None = None) -> tuple[float, float, float, float, float]:
         """(QKV and O projections, MLP, all-reduce, all-to-all, elementwise kernels) seconds for a
         step of `tokens` tokens: an all-reduce after each attention and each MLP under TP; under EP
         a MoE layer's routed tokens go out and back by all-to-all and its output is gathered instead."""
         m = self.model
         qkv_o_proj = self.attention_layers * self._gemms(tokens, self.attention_gemms, self.attention_gemm_dtype)
         mlp = ((self.num_dense_layers * self._gemms(tokens, self.dense_mlp_gemms) if self.num_dense_layers else 0.0)
-               + (m.num_moe_layers * self.moe.time(tokens) if m.num_moe_layers else 0.0))
+               + (m.num_moe_layers * self.moe.time(tokens, every) if m.num_moe_layers else 0.0))
         op = self.elementwise_op
         elementwise = sum(layers * op.time("stream", tokens * nbytes, copy_work)
                           for layers, nbytes in self.elementwise_kernels)
-        if self.tp == 1:
-            return qkv_o_proj, mlp, 0.0, 0.0, elementwise
-        activations = tokens * m.hidden_size * ACTIVATION_BYTES
         if not self.expert_parallel:
+            if self.tp == 1:
+                return qkv_o_proj, mlp, 0.0, 0.0, elementwise
+            activations = tokens * m.hidden_size * ACTIVATION_BYTES
             return qkv_o_proj, mlp, self.num_blocks * self._allreduce(activations), 0.0, elementwise
+        activations = tokens * m.hidden_size * ACTIVATION_BYTES
         mixers = self.attention_layers + m.num_state_layers
-        allreduce = (mixers + self.num_dense_layers) * self._allreduce(activations)
-        a2a = self.all_to_all_time
-        all_to_all = m.num_moe_layers * (2 * a2a(self.moe.all_to_all_bytes(tokens)) + a2a(activations))
+        allreduce = (mixers + self.num_dense_layers) * self._allreduce(activations) if self.tp > 1 else 0.0
+        a2a, ep = self.all_to_all_time, self.moe.ep
+        gather = a2a(activations, self.tp) if self.tp > 1 else 0.0  # to the rank's TP group
+        all_to_all = m.num_moe_layers * (2 * a2a(self.moe.all_to_all_bytes(tokens, every), ep) + gather)
         return qkv_o_proj, mlp, allreduce, all_to_all, elementwise
 
-    def all_to_all_time(self, message_bytes: float) -> float:
-        """An all-to-all over the TP group (EP dispatch, combine, or the output's gather)."""
-        return self.all_to_all_op.time(f"{self.tp}gpus", message_bytes,
-                                       lambda size: all_to_all_work(size, self.tp))
+    def all_to_all_time(self, message_bytes: float, gpus: int | None = None) -> float:
+        """An all-to-all over `gpus` GPUs (default the TP group): EP dispatch or combine over every
+        expert GPU, the output's gather over a rank's TP group."""
+        gpus = gpus or self.tp
+        return self.all_to_all_op.time(f"{gpus}gpus", message_bytes, lambda size: all_to_all_work(size, gpus))
 
     def attention_prefill_time(self, shape: BatchShape, kv_bytes: float | None = None, heads: float | None = None,
                                dims: tuple[float, float] | None = None) -> float:
@@ -435,14 +462,15 @@ class LatencyModel:
         bit: the same operations in the same order as breakdown() and its sum, on arrays."""
         shape = BatchShape(num_decode_seqs=num_seqs, decode_context_tokens=1, num_sampled=num_seqs)
         parts = self.micro_batches(num_seqs)
-        probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(parts))
+        divide = parts * self.busy_ranks(num_seqs)  # one micro-batch of one rank
+        probe, graph = self.breakdown(shape), self.graph_size(shape.micro_batch(divide))
         before = 0  # sum() adds left to right from 0; attention_decode comes sixth
         for name in ("qkv_o_proj", "mlp", "elementwise", "lm_head", "attention_prefill"):
             before = before + probe[name]
         op, roof = self.decode_op, self.decode_op.roofline
         context = np.asarray(decode_context_tokens, dtype=np.float64)
-        if parts > 1:  # one micro-batch, as breakdown() times it
-            num_seqs, context = num_seqs / parts, context / parts
+        if divide > 1:  # one micro-batch of one rank, as breakdown() times it
+            num_seqs, context = num_seqs / divide, context / divide
         flops, nbytes, _, _ = attention_decode_work(num_seqs, context, self.heads_per_rank, *self.decode_dims,
                                                     self.kv_bytes_per_token_layer_rank)
         # CalibratedOp.time on arrays (no causal FLOPs in decode)

@@ -12,6 +12,11 @@ FLOPs and expert bytes per GPU in expectation, in wider GEMMs over fewer experts
 tokens travel by all-to-all (dispatch to the experts' GPUs, combine back) and the layer's output
 is gathered for the next attention instead of all-reduced (sim.latency.model). Shared experts
 stay split over TP.
+
+Data-parallel attention (`data_parallel_size` DP > 1, with EP): DP ranks of TP GPUs each run
+attention for their own sequences, and every MoE layer's experts are spread over all DP x TP GPUs,
+which receive the routed tokens of every rank: the router, shared experts and top-k run on one
+rank's tokens, the experts on all ranks'.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ INDEX_BYTES = 4
 
 class MoeLayer:
     def __init__(self, model: ModelSpec, tp: int, gemm: CalibratedGemm, weight_dtype: str,
-                 memory_time: Callable[[float], float], expert_parallel: bool = False):
+                 memory_time: Callable[[float], float], expert_parallel: bool = False,
+                 data_parallel_size: int = 1):
         self.model, self.gemm, self.dtype, self.memory_time = model, gemm, weight_dtype, memory_time
-        self.ep = tp if expert_parallel else 1  # GPUs the experts are spread over, whole
+        self.ranks = data_parallel_size  # attention ranks whose tokens meet in every MoE layer
+        self.ep = tp * data_parallel_size if expert_parallel else 1  # GPUs the experts are spread over, whole
         up = 2 if model.gated_mlp else 1
         inter = model.expert_intermediate_size / (1 if expert_parallel else tp)
         self.expert_gemms = [(up * inter, model.hidden_size), (model.hidden_size, inter)]
@@ -37,27 +44,31 @@ class MoeLayer:
         self.shared_gemms = [(up * shared, model.hidden_size), (model.hidden_size, shared)] if shared else []
         self.inter = inter
 
-    def all_to_all_bytes(self, tokens: float) -> float:
-        """One all-to-all's message per GPU under EP: its 1/EP of the tokens, k copies each."""
-        return tokens / self.ep * self.model.num_active_experts * self.model.hidden_size * ACTIVATION_BYTES
+    def all_to_all_bytes(self, tokens: float, every: float | None = None) -> float:
+        """One all-to-all's message per GPU under EP (`tokens`: one rank's, `every`: all ranks',
+        by default the ranks balanced): its 1/EP of all ranks' tokens, k copies each."""
+        every = tokens * self.ranks if every is None else every
+        return every / self.ep * self.model.num_active_experts * self.model.hidden_size * ACTIVATION_BYTES
 
     def touched_experts(self, tokens: float) -> float:
         """Expected distinct routed experts that `tokens` tokens choosing k of E each touch."""
         m = self.model
         return m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** tokens)
 
-    def time(self, tokens: float) -> float:
+    def time(self, tokens: float, every: float | None = None) -> float:
+        """One layer on one GPU for a step of `tokens` tokens on its attention rank and `every`
+        on all ranks (by default the ranks balanced)."""
         m, gemm, h = self.model, self.gemm.time, self.model.hidden_size
-        k = m.num_active_experts
-        touched = self.touched_experts(tokens)
-        per_expert = tokens * k / touched
+        k, every = m.num_active_experts, tokens * self.ranks if every is None else every
+        touched = self.touched_experts(every)
+        per_expert = every * k / touched
         router = gemm(tokens, m.num_experts, h, ROUTER_DTYPE)
         local = touched / self.ep  # this GPU's share of the touched experts (EP: its own experts)
         grouped = sum(self.gemm.grouped_time(per_expert, local, n, kk, self.dtype) for n, kk in self.expert_gemms)
-        routed = tokens * k / self.ep  # token copies this GPU's experts run
+        routed = every * k / self.ep  # token copies this GPU's experts run
         shared = sum(gemm(tokens, n, kk, self.dtype) for n, kk in self.shared_gemms)
         routing = (self.memory_time(tokens * m.num_experts * 4 + tokens * k * 2 * INDEX_BYTES)  # top-k
                    + self.memory_time(tokens * k * 2 * INDEX_BYTES)                          # align
                    + self.memory_time(routed * m.mlp_activation_widths * self.inter * ACTIVATION_BYTES)  # activation
-                   + self.memory_time((routed + tokens / self.ep) * h * ACTIVATION_BYTES))   # weighted sum
+                   + self.memory_time((routed + every / self.ep) * h * ACTIVATION_BYTES))    # weighted sum
         return router + grouped + shared + routing
