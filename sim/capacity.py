@@ -86,6 +86,12 @@ def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size:
                            for kind in layout.page_kinds)
     num_blocks = int(max(pool, 0) // (bytes_per_token * block_size))
     if num_blocks * block_size * bytes_per_token / dp < one_sequence:  # a sequence lives on one rank
+        if dp > 1:
+            raise ConfigError(f"model {model.name} does not fit: data_parallel_size={dp} ranks of "
+                              f"tensor_parallel_size={tp} on {profile.name} leave {pool / dp / GiB:.2f} GiB of KV "
+                              f"pool a rank, less than one max_model_len={max_model_len} sequence "
+                              f"({one_sequence / GiB:.2f} GiB), key max_model_len, lower it, or give each rank "
+                              f"more GPUs (tensor_parallel_size) or memory (gpu_memory_utilization)")
         raise ConfigError(_does_not_fit(model, profile, tp, pool, one_sequence, max_model_len,
                                         gpu_memory_utilization, activation_reserve_bytes,
                                         kv_cache_memory_bytes is not None))

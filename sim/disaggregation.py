@@ -41,6 +41,10 @@ def prepare_pools(cfg: DictConfig) -> Pools:
     if not d["link_bandwidth_gb_per_s"] > 0 or d["link_latency_s"] < 0:
         raise ConfigError("disaggregation.link_bandwidth_gb_per_s must be > 0 and link_latency_s >= 0, "
                           "key disaggregation.link_bandwidth_gb_per_s, fix the values")
+    if cfg.data_parallel_size > 1:
+        raise ConfigError(f"data_parallel_size={cfg.data_parallel_size} with disaggregation is not modelled (a "
+                          f"sequence's KV would cross from one rank's GPUs), key data_parallel_size, use 1 or "
+                          f"disaggregation.enabled=false")
     if tiers_enabled(cfg.kv_offload):
         raise ConfigError("kv_offload with disaggregation is not modelled yet, key kv_offload, "
                           "set the tier sizes to 0 or disaggregation.enabled=false")
@@ -73,7 +77,7 @@ def simulate_disaggregated(pools: Pools, workload, allocator_name: str, router_c
     env, recorder = Environment(), Recorder()
     router = _instantiate(router_cfg, "router config")
     queue_order = None if queue_order_cfg is None else _instantiate(queue_order_cfg, "queue_order config")
-    ranks = prefill.spec.gpus_per_replica
+    ranks = prefill.spec.tensor_parallel_size * prefill.spec.pipeline_parallel_size
     link = LinkSpec(pools.link_bandwidth_bytes_per_s, pools.link_latency_s, prefill.pool.bytes_per_token, ranks)
     cluster = DisaggregatedCluster(env, router, recorder, prefill.spec.max_model_len, link,
                                    prefill.spec.num_replicas, prefill.spec.serving_overhead_s,

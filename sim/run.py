@@ -155,6 +155,9 @@ def check_tensor_parallel(model, tensor_parallel_size: int, key: str) -> None:
                    lambda n: g.ssm_heads % n == 0 and (g.ssm_groups == 1 or g.ssm_groups % n == 0))
 
 
+NVLINK_DOMAIN_GPUS = 8  # an HGX/DGX baseboard: the GPUs the profiles' collectives were measured over
+
+
 def check_data_parallel(model, spec) -> None:
     """data_parallel_size > 1: attention ranks of a MoE replica whose experts span them all (vLLM's
     DP + EP); a dense model's data parallelism is replicas (cluster.num_replicas)."""
@@ -170,6 +173,22 @@ def check_data_parallel(model, spec) -> None:
     if spec.pipeline_parallel_size > 1:
         raise ConfigError(f"{where} with pipeline_parallel_size={spec.pipeline_parallel_size}, key "
                           f"pipeline_parallel_size, use 1 (kvsim does not combine the two)")
+
+
+def say_data_parallel(spec) -> None:
+    """What kvsim simplifies in a data-parallel replica, said once its set-up has passed."""
+    if spec.data_parallel_size == 1:
+        return
+    where = f"data_parallel_size={spec.data_parallel_size}"
+    print(f"note: {where}: the ranks share one scheduler and one KV pool in kvsim (a rank may hold more than "
+          f"its share of the blocks; each sequence's chunk in a step is at most max_num_batched_tokens), a "
+          f"step waits for the busiest rank, and expert load is balanced", file=sys.stderr)
+    gpus = spec.tensor_parallel_size * spec.data_parallel_size
+    if gpus > NVLINK_DOMAIN_GPUS:
+        print(f"warning: {where} x tensor_parallel_size={spec.tensor_parallel_size} spreads the experts over "
+              f"{gpus} GPUs, more than one {NVLINK_DOMAIN_GPUS}-GPU NVLink node: kvsim times their all-to-all on "
+              f"the node's NVLink and does not model the network between nodes; fix: at most {NVLINK_DOMAIN_GPUS} "
+              f"GPUs a replica for timings you can trust", file=sys.stderr)
 
 
 def prepare(cfg: DictConfig) -> Setup:
@@ -240,6 +259,7 @@ def prepare(cfg: DictConfig) -> Setup:
     if pool.block_size != spec.block_size:  # (said once the set-up is valid) vLLM raises it the same way, and logs it
         print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
               f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
+    say_data_parallel(spec)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
 
 
@@ -419,7 +439,8 @@ def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queu
                                    spec.preemption_mode, swap_tokens,
                                    spec.scheduler_reserve_full_isl, spec.watermark,
                                    spec.capacity_scheduler_policy == "guaranteed_no_evict",
-                                   setup.model.attention_groups)
+                                   setup.model.attention_groups,
+                                   spec.max_num_batched_tokens if dp > 1 else 0)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = workload.first_arrival_s
     allocators = []

@@ -121,3 +121,53 @@ def test_a_run_with_data_parallel_ranks_schedules_each_ranks_sequences_and_says_
 ])
 def test_data_parallel_size_it_cannot_model_is_one_line(tmp_path, keys, fragments):
     assert_one_line_error(sim(tmp_path, "run", *SMALL, "gpu=h200", *keys), *fragments)
+
+
+def test_a_sequences_chunk_is_at_most_one_ranks_token_budget():
+    from sim.kvcache.block import BlockAllocator
+    from sim.scheduler import Scheduler, SchedulerSpec, Sequence
+    from tests.helpers import request
+    per_rank, ranks = 8, 4
+    spec = SchedulerSpec(4 * ranks, per_rank * ranks, True, 64, max_chunk_tokens=per_rank)
+    scheduler = Scheduler(spec, BlockAllocator(64, 4))
+    long, short = (Sequence(request(i, [(i, n)], 2), 0.0, 64) for i, n in ((1, 30), (2, 5)))
+    scheduler.add(long), scheduler.add(short)
+    plan = scheduler.schedule()
+    assert [(s.seq_id, n) for s, n in plan.scheduled] == [(1, 8), (2, 5)]  # not 30: its rank's 8
+    assert plan.shape.largest_chunk == (8, 0, 36, 8)
+
+
+def test_a_rank_holding_a_large_chunk_is_not_sped_up_by_a_small_one_beside_it():
+    dp8 = latency()
+
+    def chunks(*sizes):
+        return BatchShape(num_prefill_tokens=sum(sizes), num_prefill_seqs=len(sizes), prefill_context_pairs=0,
+                          prefill_causal_pairs=sum(n * (n + 1) // 2 for n in sizes), prefill_kv_tokens=sum(sizes),
+                          num_sampled=len(sizes), largest_chunk=(max(sizes), 0, max(sizes) * (max(sizes) + 1) // 2,
+                                                                 max(sizes)))
+    alone, beside = dp8.step_time(chunks(8000)), dp8.step_time(chunks(8000, 100))
+    assert beside >= alone
+    assert dp8.rank_shape(chunks(8000, 100)).num_prefill_tokens == 8000
+    assert dp8.rank_shape(chunks(*[512] * 16)).num_prefill_tokens == 1024  # two on each of 8 ranks
+
+
+@pytest.mark.parametrize("keys, fragments", [
+    (["disaggregation.enabled=true"], ["with disaggregation is not modelled", "key data_parallel_size"]),
+    (["gpu_memory_utilization=0.72", "max_model_len=163840"], ["data_parallel_size=8 ranks of tensor_parallel_size=1", "a rank",
+                                       "key max_model_len"]),
+])
+def test_data_parallel_ranks_it_cannot_place_are_one_line(tmp_path, keys, fragments):
+    assert_one_line_error(sim(tmp_path, "run", *SMALL, "gpu=h200", "model=deepseek_v3", "tensor_parallel_size=1",
+                              "data_parallel_size=8", "enable_expert_parallel=true", *keys), *fragments)
+
+
+def test_a_data_parallel_run_says_what_kvsim_simplifies_and_when_it_leaves_one_node(tmp_path):
+    base = ["run", "scenario=bench", "model=deepseek_v3", "gpu=h200", "tensor_parallel_size=1",
+            "enable_expert_parallel=true", "scenario.input_len=64", "scenario.output_len=4",
+            "scenario.num_prompts=16", "plots=false", "allocators=[paged]"]
+    within = sim(tmp_path, *base, "data_parallel_size=8")
+    assert within.returncode == 0, within.stderr
+    assert "share one scheduler and one KV pool" in within.stderr and "NVLink node" not in within.stderr
+    across = sim(tmp_path, *base, "data_parallel_size=16")
+    assert across.returncode == 0, across.stderr
+    assert "spreads the experts over 16 GPUs, more than one 8-GPU NVLink node" in across.stderr

@@ -78,3 +78,13 @@ def test_unknown_row_ids_are_refused_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "R999" in out.stderr
     assert not (tmp_path / "v" / "validation.csv").exists()
+
+
+def test_rows_whose_metric_the_load_sets_are_counted_apart_in_the_summary():
+    table = pd.DataFrame({"id": ["R1", "R2", "R3"], "metric": ["output_throughput"] * 3, "status": ["within"] * 3,
+                          "error": [0.01, -0.05, 0.3], "ratio": [1.01, 0.95, 1.3], "set_by_load": [True, False, False]})
+    summary = validation.summarize(table)
+    assert (summary.num_within, summary.within_set_by_load) == (2, ("R1",))
+    assert "1 without the 1 whose metric the offered load sets while the engines keep up, R1" in summary.lines()[0]
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    assert set(frame[frame.set_by_load == "true"].id) == {"R047", "R051", "R055"}  # MLPerf Server throughputs

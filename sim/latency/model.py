@@ -86,6 +86,9 @@ class BatchShape:
     # prefill pairs against the cache, causal pairs, prefill KV tokens, indexer keys of decodes,
     # indexer pairs of prefills), summed over the batch (sim.kv_layout's reach).
     group_attention: tuple = ()
+    # The prefill chunk of the most new tokens: (new tokens, context pairs, causal pairs, KV
+    # tokens); data-parallel attention's busiest rank holds at least it (LatencyModel.rank_shape).
+    largest_chunk: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +100,7 @@ class BatchShape:
             return self
         groups = tuple(tuple(v / parts for v in group) for group in self.group_attention)
         return BatchShape(*(getattr(self, name) / parts for name in self.__dataclass_fields__
-                            if name != "group_attention"), groups)
+                            if name not in ("group_attention", "largest_chunk")), groups)
 
 
 class LatencyModel:
@@ -278,15 +281,20 @@ class LatencyModel:
 
     def rank_shape(self, whole: BatchShape) -> BatchShape:
         """The busiest data-parallel rank's share of a step, which every rank waits for at each
-        MoE layer: decodes spread evenly over the ranks, each prefill chunk whole on one rank."""
+        MoE layer: decodes spread evenly over the ranks; the prefill chunks, each whole on one
+        rank, spread evenly too unless the largest chunk alone is more than an even share."""
         d, p = self.busy_ranks(whole.num_decode_seqs), self.busy_ranks(whole.num_prefill_seqs)
         sampled_prefills = max(0, whole.num_sampled - whole.num_decode_seqs)
+        prefill = (whole.num_prefill_tokens / p, whole.prefill_context_pairs / p, whole.prefill_causal_pairs / p,
+                   whole.prefill_kv_tokens / p)
+        if whole.largest_chunk and whole.largest_chunk[0] > prefill[0]:
+            prefill = tuple(float(v) for v in whole.largest_chunk)
         # per group: decode keys, prefill pairs, causal pairs, prefill KV tokens, indexer keys of
-        # decodes, indexer pairs of prefills (BatchShape.group_attention)
+        # decodes, indexer pairs of prefills (BatchShape.group_attention; prefills as an even share)
         groups = tuple((g[0] / d, g[1] / p, g[2] / p, g[3] / p, g[4] / d, g[5] / p) for g in whole.group_attention)
-        return BatchShape(whole.num_prefill_tokens / p, whole.num_prefill_seqs / p, whole.prefill_context_pairs / p,
-                          whole.prefill_causal_pairs / p, whole.prefill_kv_tokens / p, whole.num_decode_seqs / d,
-                          whole.decode_context_tokens / d, whole.num_decode_seqs / d + sampled_prefills / p,
+        return BatchShape(prefill[0], whole.num_prefill_seqs / p, prefill[1], prefill[2], prefill[3],
+                          whole.num_decode_seqs / d, whole.decode_context_tokens / d,
+                          whole.num_decode_seqs / d + sampled_prefills / p,
                           whole.swap_tokens, whole.copy_tokens, whole.kv_load_s, groups)
 
     def _gpu_ops(self, shape: BatchShape, graph: int, parts: int, every: float | None = None) -> dict[str, float]:

@@ -65,6 +65,9 @@ class SchedulerSpec:
     # layer groups, so that each step's shape carries what each group reads (BatchShape.
     # group_attention); such a batch is planned sequence by sequence (no decode cohort).
     attention_groups: tuple = ()
+    # Data-parallel attention: a sequence lives on one rank, so its chunk in a step is at most one
+    # rank's token budget (max_num_batched_tokens is the ranks' together). 0: the step's budget.
+    max_chunk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,7 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
+        self._chunk_cap = spec.max_chunk_tokens or spec.max_num_batched_tokens
         step_tokens = spec.max_num_batched_tokens if spec.enable_chunked_prefill else spec.max_model_len
         self._reservations = Reservations(allocator, step_tokens) if spec.guaranteed_no_evict else None
         self._consume_load_s = getattr(allocator, "consume_load_s", None)  # KV tier loads (prefix allocator)
@@ -163,7 +167,7 @@ class Scheduler:
         budget -= index
         while index < len(running) and budget > 0:
             seq = running[index]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = min(seq.num_tokens - seq.num_computed, budget, self._chunk_cap)
             while allocate(seq, num_new) is None:
                 at = victim_of(running)
                 victim = running.pop(at)
@@ -219,7 +223,7 @@ class Scheduler:
         swapped, running = self.swapped, self.running
         while swapped and budget > 0 and len(running) < self.spec.max_num_seqs:
             seq = swapped[0]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = min(seq.num_tokens - seq.num_computed, budget, self._chunk_cap)
             if self._reservations is not None and not self._reservations.fits(seq):
                 break
             if self.allocator.allocate(seq, seq.num_swapped_tokens + num_new, NO_HIT) is None:
@@ -254,6 +258,7 @@ class Scheduler:
                     self.admission_blocked_by = BLOCKED_BY_MEMORY
                     break
                 num_new = budget
+            num_new = min(num_new, self._chunk_cap)
             if self._reservations is not None and not self._reservations.fits(seq):
                 self.admission_blocked_by = BLOCKED_BY_RESERVATION
                 break
@@ -431,6 +436,7 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
     prefill_tokens = prefill_seqs = prefill_kv = 0
     decode_seqs, decode_context, sampled = cohort_seqs, cohort_context, cohort_seqs
     context_pairs = causal_pairs = 0
+    largest = ()  # the chunk of the most new tokens (BatchShape.largest_chunk)
     decodes, prefills = [], []  # (context, new tokens) of each, for attention_groups only
     for seq, num_new in scheduled:
         context = seq.num_computed
@@ -447,11 +453,14 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
         prefill_kv += context + num_new
         context_pairs += num_new * context
         causal_pairs += num_new * (num_new + 1) // 2
+        if not largest or num_new > largest[0]:
+            largest = (num_new, num_new * context, num_new * (num_new + 1) // 2, context + num_new)
         if attention_groups:
             prefills.append((context, num_new))
     groups = _group_attention(decodes, prefills, attention_groups) if attention_groups else ()
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
-                      decode_context, sampled, swap_tokens, copy_tokens, kv_load_s, group_attention=groups)
+                      decode_context, sampled, swap_tokens, copy_tokens, kv_load_s, group_attention=groups,
+                      largest_chunk=largest)
 
 
 def _group_attention(decodes, prefills, groups) -> tuple[tuple[int, ...], ...]:
