@@ -3,7 +3,8 @@
     pool = gpu_memory_utilization * memory * GPUs - weights - activation reserve * GPUs
 
 over the replica's TP x PP x DP GPUs (with data-parallel attention every rank stores all but the
-routed experts: ModelSpec.stored_weight_bytes), unless `kv_cache_memory_bytes` (per GPU, as in vLLM) fixes it.
+routed experts: ModelSpec.stored_weight_bytes), unless `kv_cache_memory_bytes` (per GPU, as in
+vLLM) fixes it.
 A token's KV is stored `ModelSpec.kv_replication(TP)` times across a TP group (REFERENCE.md
 section 1); pipeline stages hold their own layers' KV, and every stage keeps as many blocks as
 the one with the most layers can (ceil(layers / PP) of them), as vLLM sizes one pool for all.

@@ -81,7 +81,7 @@ def attach_tiers(setup: Setup, allocators: list) -> list[TierChain]:
     block_bytes = pool.bytes_per_token * pool.block_size
     shared_gib = spec.shared_store_gib(setup.spec.num_replicas)
     shared = Tier("shared", int(shared_gib * 2**30 // block_bytes), spec.eviction) if shared_gib else None
-    ranks = setup.spec.gpus_per_replica
+    ranks = setup.spec.tensor_parallel_size * setup.spec.pipeline_parallel_size  # one sequence's GPUs load its KV
     chains = []
     for allocator in allocators:
         if takes_tiers(allocator):
@@ -219,7 +219,8 @@ def prepare(cfg: DictConfig) -> Setup:
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
-    if spec.enable_expert_parallel and not (model.num_moe_layers and spec.tensor_parallel_size * spec.data_parallel_size > 1):
+    expert_gpus = spec.tensor_parallel_size * spec.data_parallel_size
+    if spec.enable_expert_parallel and not (model.num_moe_layers and expert_gpus > 1):
         why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
               file=sys.stderr)

@@ -6,10 +6,12 @@ GPU profile, precision, parallelism, engine limits and load; its metric is read 
 vllm_bench block. A row whose GPUs hold several engines (`num_gpus` over TP x PP x DP: MLPerf's
 systems of eight GPUs) runs them as replicas with requests dealt round-robin, and its metric is the
 system's. A row whose metric is set by the offered load while the engines keep up (`set_by_load`:
-a Server run's throughput) is counted apart in the summary. A benchmark that drives the engine in-process (`harness`: trtllm-bench,
-gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP serving overhead; TensorRT-LLM's rows
-run its default capacity policy (capacity_scheduler_policy=guaranteed_no_evict). Rows kvsim cannot run (a feature it does not model) are kept with their reason
-and count as misses; the rows check the model and never train it (no factor is fitted to them).
+a Server run's throughput) is counted apart in the summary. A benchmark that drives the engine
+in-process (`harness`: trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks) pays no HTTP
+serving overhead; TensorRT-LLM's rows run its default capacity policy
+(capacity_scheduler_policy=guaranteed_no_evict). Rows kvsim cannot run (a feature it does not
+model) are kept with their reason and count as misses; the rows check the model and never train it
+(no factor is fitted to them).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ WITHIN = 0.20  # a row within 20% of the published value counts as a hit
 QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of metric
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "num_gpus", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-           "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel", "harness", "async_output_processing", "async_scheduling",
+           "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel", "harness",
+           "async_output_processing", "async_scheduling",
            "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "metric",
            "set_by_load", "value", "unit", "run",
