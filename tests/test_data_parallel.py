@@ -49,7 +49,8 @@ def test_every_routed_token_is_run_once_over_the_ranks_experts():
     for name, layer, tokens in (("dp", moe(1, 8, profile), 100), ("tp", moe(8, 1, profile), 800)):
         seen, gemm = [], layer.gemm
         layer.gemm = type("Recorder", (), {"time": gemm.time,
-                                           "grouped_time": lambda self, *a: seen.append(a) or gemm.grouped_time(*a)})()
+                                           "grouped_time": lambda self, *a, seen=seen, gemm=gemm:
+                                           seen.append(a) or gemm.grouped_time(*a)})()
         layer.time(tokens)
         calls[name] = (seen, layer.all_to_all_bytes(tokens), layer.ep)
     assert calls["dp"][0] == calls["tp"][0]  # experts per GPU, tokens per expert, widths
