@@ -71,6 +71,16 @@ class DisaggregationConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """`speculative_config.*` (vLLM's --speculative-config): a one-layer draft (DeepSeek's MTP, an
+    EAGLE head) proposes num_speculative_tokens tokens a step; each verification yields
+    acceptance_length tokens a sequence on average (accepted drafts + 1), a measured figure."""
+    method: Optional[str] = None
+    num_speculative_tokens: int = 0
+    acceptance_length: Optional[float] = None
+
+
+@dataclass
 class SloConfig:
     """Latency targets (null: none) and the percentile each must hold at."""
     ttft_s: Optional[float] = None
@@ -142,6 +152,7 @@ class RunConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     kv_offload: KvOffloadConfig = field(default_factory=KvOffloadConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
@@ -246,6 +257,8 @@ class EngineSpec:
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
     slo: SloSpec = SloSpec()             # latency targets the metrics check
     kv_offload: OffloadSpec = OffloadSpec()  # KV tiers below HBM (all off by default)
+    num_speculative_tokens: int = 0      # draft tokens a decode step verifies (0: no speculative decoding)
+    acceptance_length: float = 1.0       # tokens a verification yields a sequence on average
 
     @property
     def gpus_per_replica(self) -> int:
@@ -263,6 +276,9 @@ VLLM_CAPTURE_SIZES = vllm_capture_sizes(256)
 # vLLM's --quantization values kvsim models -> the weights' dtype (modelopt_fp4 is what vLLM calls
 # an NVFP4 checkpoint from NVIDIA's ModelOpt; TensorRT-LLM calls it NVFP4).
 QUANTIZATIONS = {None: None, "fp8": "fp8", "nvfp4": "nvfp4", "modelopt_fp4": "nvfp4"}
+
+
+SPECULATIVE_METHODS = ("mtp", "eagle")
 
 
 def _require(condition: bool, key: str, what: str, fix: str) -> None:
@@ -289,6 +305,17 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["data_parallel_size"] >= 1, "data_parallel_size",
              f"data_parallel_size={c['data_parallel_size']} is below 1",
              "use 1, or the attention ranks of a MoE replica with enable_expert_parallel=true")
+    spec_cfg = c["speculative_config"]
+    k, accept = spec_cfg["num_speculative_tokens"], spec_cfg["acceptance_length"]
+    _require(spec_cfg["method"] in (None, *SPECULATIVE_METHODS), "speculative_config.method",
+             f"unknown speculative_config.method '{spec_cfg['method']}'",
+             "use mtp or eagle (a one-layer draft), or null (no speculative decoding)")
+    _require(k >= 0 and (k == 0) == (spec_cfg["method"] is None), "speculative_config.num_speculative_tokens",
+             f"speculative_config.num_speculative_tokens={k} with method={spec_cfg['method']}",
+             "give a method and 1 or more tokens, or neither")
+    _require(k == 0 or (accept is not None and 1 <= accept <= k + 1), "speculative_config.acceptance_length",
+             f"speculative_config.acceptance_length={accept} with num_speculative_tokens={k}",
+             f"give the measured mean tokens a verification yields, between 1 and {k + 1}")
     _require(c["tensor_parallel_size"] >= 1, "tensor_parallel_size",
              f"tensor_parallel_size={c['tensor_parallel_size']} is below 1", "use 1, 2, 4 or 8")
     _require(1 <= c["block_size"] <= 1024, "block_size", f"block_size={c['block_size']} is out of range",
@@ -357,4 +384,5 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
         async_output_processing=c["async_output_processing"], async_scheduling=c["async_scheduling"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),
-        kv_offload=OffloadSpec(**c["kv_offload"]))
+        kv_offload=OffloadSpec(**c["kv_offload"]), num_speculative_tokens=k,
+        acceptance_length=float(accept) if k else 1.0)

@@ -45,6 +45,9 @@ def prepare_pools(cfg: DictConfig) -> Pools:
         raise ConfigError(f"data_parallel_size={cfg.data_parallel_size} with disaggregation is not modelled (a "
                           f"sequence's KV would cross from one rank's GPUs), key data_parallel_size, use 1 or "
                           f"disaggregation.enabled=false")
+    if cfg.speculative_config.num_speculative_tokens:
+        raise ConfigError("speculative decoding with disaggregation is not modelled, key "
+                          "speculative_config.method, set it null or disaggregation.enabled=false")
     if tiers_enabled(cfg.kv_offload):
         raise ConfigError("kv_offload with disaggregation is not modelled yet, key kv_offload, "
                           "set the tier sizes to 0 or disaggregation.enabled=false")

@@ -92,6 +92,10 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("data_parallel_size", cfg.get("data_parallel_size", 1), 1),
+        ("speculative_config.method", cfg.get("speculative_config", {}).get("method"), None),
+        ("speculative_config.num_speculative_tokens",
+         cfg.get("speculative_config", {}).get("num_speculative_tokens", 0), 0),
+        ("speculative_config.acceptance_length", cfg.get("speculative_config", {}).get("acceptance_length"), None),
         ("quantization", cfg.get("quantization"), None),
         ("async_scheduling", cfg.get("async_scheduling", False) and cfg.get("pipeline_parallel_size", 1) == 1, False),
         ("capacity_scheduler_policy", cfg.get("capacity_scheduler_policy", "max_utilization"), "max_utilization"))

@@ -233,7 +233,8 @@ def prepare(cfg: DictConfig) -> Setup:
               "step runs beside the GPU's); fix: leave it true", file=sys.stderr)
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
-                           spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size)
+                           spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size,
+                           spec.num_speculative_tokens)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -248,6 +249,8 @@ def prepare(cfg: DictConfig) -> Setup:
         state_bytes[name] = allocator.state_bytes()
         if spec.capacity_scheduler_policy == "guaranteed_no_evict":
             check_no_evict(name, allocator)
+        if spec.num_speculative_tokens:
+            check_speculative(name, allocator, model)
         if not takes_tiers(allocator):
             tierless.append(name)
     if spec.kv_offload.enabled and tierless:
@@ -262,6 +265,17 @@ def prepare(cfg: DictConfig) -> Setup:
               f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     say_data_parallel(spec)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
+
+
+def check_speculative(name: str, allocator, model) -> None:
+    """Speculative decoding's lookahead slots are modelled on the paged allocator (without prefix
+    caching) and for models of one attention kind."""
+    if model.attention_groups:
+        raise ConfigError(f"speculative decoding with {model.name}'s layer groups (window, compressed or state "
+                          f"layers) is not modelled, key speculative_config.method, set it null")
+    if not (type(allocator) is BlockAllocator and not allocator.enable_caching):
+        raise ConfigError(f"speculative decoding applies to the paged allocator only (without prefix caching), "
+                          f"not '{name}', key allocators, use allocators=[paged] or speculative_config.method=null")
 
 
 def check_no_evict(name: str, allocator) -> None:
@@ -441,7 +455,8 @@ def add_replicas(setup: Setup, env, recorder, cluster, allocator_name: str, queu
                                    spec.scheduler_reserve_full_isl, spec.watermark,
                                    spec.capacity_scheduler_policy == "guaranteed_no_evict",
                                    setup.model.attention_groups,
-                                   spec.max_num_batched_tokens if dp > 1 else 0)
+                                   spec.max_num_batched_tokens if dp > 1 else 0,
+                                   spec.num_speculative_tokens, spec.acceptance_length)
     allocator_cfg = setup.allocator_configs[allocator_name]
     first_arrival = workload.first_arrival_s
     allocators = []

@@ -36,7 +36,8 @@ QUICK_ROWS = ("R018", "R023", "R066", "R077")  # small runs, one per kind of met
 QUICK_MAX_PROMPTS = 16
 COLUMNS = ("id", "engine", "num_gpus", "gpu", "model", "quantization", "kv_cache_dtype", "tensor_parallel_size",
            "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel", "harness",
-           "async_output_processing", "async_scheduling",
+           "async_output_processing", "async_scheduling", "speculative_method", "num_speculative_tokens",
+           "acceptance_length",
            "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
            "request_rate", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "metric",
            "set_by_load", "value", "unit", "run",
@@ -92,6 +93,10 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append(f"data_parallel_size={row['data_parallel_size']}")
     if row["enable_expert_parallel"] == "true":
         keys.append("enable_expert_parallel=true")
+    if row["speculative_method"]:  # the source's drafts and their measured acceptance
+        keys += [f"speculative_config.method={row['speculative_method']}",
+                 f"speculative_config.num_speculative_tokens={row['num_speculative_tokens']}",
+                 f"speculative_config.acceptance_length={row['acceptance_length']}"]
     if row["max_num_batched_tokens"]:  # the source's token budget per step (per rank)
         keys.append(f"max_num_batched_tokens={row['max_num_batched_tokens']}")
     if row["engine"] == "TensorRT-LLM":  # its default capacity policy (SchedulerConfig): never preempts

@@ -235,6 +235,14 @@ class BlockAllocator:
         self.num_copied_tokens += self.block_size
         return new_blocks[1:]
 
+    def rewind(self, seq, num_tokens: int) -> None:
+        """Speculative decoding: the sequence holds KV for num_tokens tokens only, its rejected
+        draft slots (already allocated) back to slack for the next step's drafts."""
+        record = self.seqs[seq.seq_id]
+        self._count_slack(record, -1)
+        record.num_tokens = num_tokens
+        self._count_slack(record, +1)
+
     def free(self, seq) -> None:
         self._keys.pop(seq.seq_id, None)
         record = self.seqs.pop(seq.seq_id)

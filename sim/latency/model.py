@@ -82,6 +82,9 @@ class BatchShape:
     copy_tokens: int = 0
     # Seconds of loads from KV tiers below HBM (sim.kvcache.tiers) for this step's admissions.
     kv_load_s: float = 0.0
+    # Speculative decoding: the query tokens of all decode sequences, a verification's 1 + k and a
+    # plain decode's 1 (0: one a decode sequence, no verification in the step).
+    decode_queries: float = 0
     # Models whose layer groups read different parts of the context: per group (decode keys,
     # prefill pairs against the cache, causal pairs, prefill KV tokens, indexer keys of decodes,
     # indexer pairs of prefills), summed over the batch (sim.kv_layout's reach).
@@ -92,7 +95,7 @@ class BatchShape:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_seqs
+        return self.num_prefill_tokens + (self.decode_queries or self.num_decode_seqs)
 
     def micro_batch(self, parts: int) -> "BatchShape":
         """One of `parts` equal micro-batches (pipeline parallelism); sums become shares."""
@@ -109,11 +112,14 @@ class LatencyModel:
     def __init__(self, model: ModelSpec, profile: GpuProfile, tensor_parallel_size: int,
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
                  expert_parallel: bool = False, async_output_processing: bool = True,
-                 overlap_kv_load: bool = True, async_scheduling: bool = False, data_parallel_size: int = 1):
+                 overlap_kv_load: bool = True, async_scheduling: bool = False, data_parallel_size: int = 1,
+                 num_speculative_tokens: int = 0):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         # Data-parallel attention: dp ranks of tp GPUs, each with its own sequences (a step waits
         # for the busiest rank: rank_shape), the experts spread over all of them.
         self.dp = data_parallel_size
+        self.speculative_tokens = num_speculative_tokens  # draft passes a verification step runs
+        self._draft_terms: dict[float, float] = {}
         self.overlap_kv_load = overlap_kv_load  # tier loads beside the GPU work (sim.kvcache.tiers)
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
@@ -220,9 +226,10 @@ class LatencyModel:
 
     def graph_size(self, shape: BatchShape) -> int:
         """The capture size a decode-only batch replays as (it runs padded to it); 0: eager."""
-        if shape.num_prefill_tokens or not self.capture_sizes or shape.num_decode_seqs > self.capture_sizes[-1]:
+        tokens = shape.num_tokens  # (a verification's 1 + k queries each, as vLLM captures tokens)
+        if shape.num_prefill_tokens or not self.capture_sizes or tokens > self.capture_sizes[-1]:
             return 0
-        return self.capture_sizes[bisect_left(self.capture_sizes, shape.num_decode_seqs)]
+        return self.capture_sizes[bisect_left(self.capture_sizes, tokens)]
 
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per operator for one step, GPU operators first, then `launch` and `cpu`;
@@ -247,6 +254,8 @@ class LatencyModel:
                                         num_sampled=min(whole.num_sampled, whole.num_prefill_seqs), swap_tokens=0)
             latency = sum(self._gpu_ops(chunk, 0, 1).values())
             times["pipeline_bubble"] = max(0.0, latency - sum(times.values()))
+        if shape.decode_queries and self.speculative_tokens:
+            times["speculative_draft"] = self.draft_time(shape)
         if whole.swap_tokens:
             times["swap"] = self.swap_time(whole.swap_tokens)
         if whole.copy_tokens:
@@ -275,6 +284,18 @@ class LatencyModel:
         """Micro-batches in flight: one per pipeline stage, but never more than sequences."""
         return max(1, min(self.pp, num_seqs))
 
+    def draft_time(self, shape: BatchShape) -> float:
+        """Speculative decoding's drafts: num_speculative_tokens passes, one after another, of a
+        one-layer draft (DeepSeek's MTP layer, an EAGLE head) over the step's decode sequences:
+        one layer's share of the model's GEMMs, collectives and elementwise kernels, one layer of
+        decode attention, and the LM head."""
+        seqs = shape.num_decode_seqs
+        per_token = self._draft_terms.get(seqs)
+        if per_token is None:
+            per_token = self._draft_terms[seqs] = sum(self._token_ops(seqs)) / self.model.num_layers
+        plain = dataclasses.replace(shape, decode_queries=0)
+        return self.speculative_tokens * (per_token + self.attention_decode_time(plain) + self.lm_head_time(seqs))
+
     def busy_ranks(self, num_seqs: float) -> float:
         """Data-parallel ranks holding a sequence (balanced): all, or one per sequence."""
         return max(1, min(self.dp, num_seqs))
@@ -284,7 +305,8 @@ class LatencyModel:
         MoE layer: decodes spread evenly over the ranks; the prefill chunks, each whole on one
         rank, spread evenly too unless the largest chunk alone is more than an even share."""
         d, p = self.busy_ranks(whole.num_decode_seqs), self.busy_ranks(whole.num_prefill_seqs)
-        sampled_prefills = max(0, whole.num_sampled - whole.num_decode_seqs)
+        decode_sampled = whole.decode_queries or whole.num_decode_seqs
+        sampled_prefills = max(0, whole.num_sampled - decode_sampled)
         prefill = (whole.num_prefill_tokens / p, whole.prefill_context_pairs / p, whole.prefill_causal_pairs / p,
                    whole.prefill_kv_tokens / p)
         if whole.largest_chunk and whole.largest_chunk[0] > prefill[0]:
@@ -294,8 +316,9 @@ class LatencyModel:
         groups = tuple((g[0] / d, g[1] / p, g[2] / p, g[3] / p, g[4] / d, g[5] / p) for g in whole.group_attention)
         return BatchShape(prefill[0], whole.num_prefill_seqs / p, prefill[1], prefill[2], prefill[3],
                           whole.num_decode_seqs / d, whole.decode_context_tokens / d,
-                          whole.num_decode_seqs / d + sampled_prefills / p,
-                          whole.swap_tokens, whole.copy_tokens, whole.kv_load_s, groups)
+                          decode_sampled / d + sampled_prefills / p,
+                          whole.swap_tokens, whole.copy_tokens, whole.kv_load_s, whole.decode_queries / d,
+                          group_attention=groups)
 
     def _gpu_ops(self, shape: BatchShape, graph: int, parts: int, every: float | None = None) -> dict[str, float]:
         """GPU operators of a round of `parts` micro-batches like `shape` through every stage
@@ -387,9 +410,11 @@ class LatencyModel:
                               dims: tuple[float, float] | None = None) -> float:
         """One layer's decode attention on one GPU; the correction axis is the cached tokens read."""
         kv_bytes = self.kv_bytes_per_token_layer_rank if kv_bytes is None else kv_bytes
+        heads = heads or self.heads_per_rank
+        if shape.decode_queries:  # verifications: 1 + k queries of a sequence share its KV reads
+            heads = heads * shape.decode_queries / shape.num_decode_seqs
         return self.decode_op.time(self.attention_class, shape.decode_context_tokens, lambda tokens: (
-            attention_decode_work(shape.num_decode_seqs, tokens, heads or self.heads_per_rank,
-                                  *(dims or self.decode_dims), kv_bytes)))
+            attention_decode_work(shape.num_decode_seqs, tokens, heads, *(dims or self.decode_dims), kv_bytes)))
 
     def _group_attention(self, shape: BatchShape, times: dict) -> None:
         """Each layer group's attention over what it reads (BatchShape.group_attention): its own

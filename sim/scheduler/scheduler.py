@@ -30,6 +30,7 @@ committed as usual), with the same effects, token by token, as committing them o
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -68,6 +69,10 @@ class SchedulerSpec:
     # Data-parallel attention: a sequence lives on one rank, so its chunk in a step is at most one
     # rank's token budget (max_num_batched_tokens is the ranks' together). 0: the step's budget.
     max_chunk_tokens: int = 0
+    # Speculative decoding: a decode step verifies this many draft tokens a sequence (its chunk
+    # is 1 + k tokens) and yields acceptance_length tokens a sequence on average.
+    num_speculative_tokens: int = 0
+    acceptance_length: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +127,7 @@ class Scheduler:
         self._reservations = Reservations(allocator, step_tokens) if spec.guaranteed_no_evict else None
         self._consume_load_s = getattr(allocator, "consume_load_s", None)  # KV tier loads (prefix allocator)
         new_cohort = getattr(allocator, "decode_cohort", None)  # allocators that keep one in arrays
-        if spec.attention_groups or not self.queue_order.preempts_newest:
+        if spec.attention_groups or not self.queue_order.preempts_newest or spec.num_speculative_tokens:
             new_cohort = None  # per-group reach needs every sequence's context; any may be preempted
         self._cohort = DecodeCohort(new_cohort(), spec.max_model_len) if new_cohort else None
 
@@ -168,6 +173,8 @@ class Scheduler:
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed, budget, self._chunk_cap)
+            if self.spec.num_speculative_tokens and num_new == 1 and seq.num_output:
+                num_new += self._drafts(seq, budget)
             while allocate(seq, num_new) is None:
                 at = victim_of(running)
                 victim = running.pop(at)
@@ -197,6 +204,20 @@ class Scheduler:
         shape = _shape(scheduled, self._swap_tokens, copy_tokens, len(cohort), cohort.context_tokens if cohort else 0,
                        self.spec.attention_groups, kv_load_s)
         return StepPlan(tuple(scheduled), shape, num_preempted, tuple(running[:len(cohort)]))
+
+    def _drafts(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens a decoding sequence verifies this step: k, fewer near its end (the slots
+        never pass its final length) or when the step's budget is short."""
+        return max(0, min(self.spec.num_speculative_tokens, seq.final_len - seq.num_tokens, budget - 1))
+
+    def accepted(self, seq: Sequence, drafts: int) -> int:
+        """Tokens a verification yields: acceptance_length on average, deterministically (the
+        n-th verification yields floor(n L) - floor((n - 1) L)), at most drafts + 1 and what the
+        sequence may still produce."""
+        n, mean = seq.num_verifications, self.spec.acceptance_length
+        tokens = math.floor((n + 1) * mean + 1e-9) - math.floor(n * mean + 1e-9)
+        left = seq.final_len - seq.num_tokens  # (its output_len and max_model_len both)
+        return max(1, min(tokens, drafts + 1, left))
 
     def _step_cohort(self, budget: int):
         """The decode cohort with this step's tokens allocated, or () when the step goes sequence
@@ -315,12 +336,19 @@ class Scheduler:
             for seq in finished:
                 self._free(seq)
         for seq, num_new in plan.tail:
-            seq.num_computed += num_new
-            if seq.num_computed < seq.num_tokens:
-                continue
-            seq.num_tokens += 1
-            seq.num_output += 1
-            num_sampled += 1
+            new_tokens = 1
+            if num_new > seq.num_tokens - seq.num_computed:  # a verification (speculative decoding)
+                new_tokens = self.accepted(seq, num_new - 1)
+                seq.num_verifications += 1
+                seq.num_computed += new_tokens
+                self.allocator.rewind(seq, seq.num_computed)  # the rejected drafts' slots are slack
+            else:
+                seq.num_computed += num_new
+                if seq.num_computed < seq.num_tokens:
+                    continue
+            seq.num_tokens += new_tokens
+            seq.num_output += new_tokens
+            num_sampled += new_tokens
             if seq.num_output > 1:
                 gap = now - seq.last_token_time_s
                 gaps[gap] = gaps.get(gap, 0) + 1
@@ -349,7 +377,7 @@ class Scheduler:
         join; at most until the first sequence finishes or a next token finds no memory."""
         running, shape = self.running, plan.shape
         num_seqs = len(running)
-        if self.spec.attention_groups:  # per-group reach is not a stretch's linear sum
+        if self.spec.attention_groups or self.spec.num_speculative_tokens:  # not one token a step
             return 1
         if (plan.num_preempted or self.swapped or shape.num_prefill_tokens or shape.swap_tokens
                 or shape.copy_tokens or shape.num_decode_seqs != num_seqs or plan.batch_size != num_seqs):
@@ -436,10 +464,18 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
     prefill_tokens = prefill_seqs = prefill_kv = 0
     decode_seqs, decode_context, sampled = cohort_seqs, cohort_context, cohort_seqs
     context_pairs = causal_pairs = 0
+    verifications = verify_queries = 0  # speculative decoding: verifications and their 1 + k queries
     largest = ()  # the chunk of the most new tokens (BatchShape.largest_chunk)
     decodes, prefills = [], []  # (context, new tokens) of each, for attention_groups only
     for seq, num_new in scheduled:
         context = seq.num_computed
+        if context + num_new > seq.num_tokens:  # a verification: 1 + k queries against the context
+            decode_seqs += 1
+            verifications += 1
+            verify_queries += num_new
+            decode_context += context + 1
+            sampled += num_new
+            continue
         if context + num_new == seq.num_tokens:
             sampled += 1
             if num_new == 1 and seq.num_output:
@@ -458,9 +494,10 @@ def _shape(scheduled, swap_tokens: int = 0, copy_tokens: int = 0, cohort_seqs: i
         if attention_groups:
             prefills.append((context, num_new))
     groups = _group_attention(decodes, prefills, attention_groups) if attention_groups else ()
+    queries = verify_queries + decode_seqs - verifications if verifications else 0
     return BatchShape(prefill_tokens, prefill_seqs, context_pairs, causal_pairs, prefill_kv, decode_seqs,
-                      decode_context, sampled, swap_tokens, copy_tokens, kv_load_s, group_attention=groups,
-                      largest_chunk=largest)
+                      decode_context, sampled, swap_tokens, copy_tokens, kv_load_s, queries,
+                      group_attention=groups, largest_chunk=largest)
 
 
 def _group_attention(decodes, prefills, groups) -> tuple[tuple[int, ...], ...]:

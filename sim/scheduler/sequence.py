@@ -17,7 +17,8 @@ class Sequence:
     __slots__ = ("seq_id", "request", "arrival_time_s", "num_tokens", "num_computed",
                  "num_output", "final_len", "first_token_time_s", "last_token_time_s", "finish_time_s",
                  "num_preemptions", "prefix_hit_tokens", "admitted", "replica", "sample_index",
-                 "num_swapped_tokens", "transferred_tokens", "first_scheduled_s", "decode_twin")
+                 "num_swapped_tokens", "transferred_tokens", "first_scheduled_s", "decode_twin",
+                 "num_verifications")
 
     def __init__(self, request: Request, arrival_time_s: float, max_model_len: int,
                  seq_id: int | None = None, sample_index: int = 0):
@@ -43,6 +44,7 @@ class Sequence:
         self.transferred_tokens = 0
         self.first_scheduled_s = math.nan
         self.decode_twin = None
+        self.num_verifications = 0  # speculative decoding: verification steps so far
 
     def sibling(self, seq_id: int, sample_index: int) -> "Sequence":
         """Another sample of the same request, at the same point (its prompt computed)."""

@@ -38,6 +38,8 @@ def why_not_compiled(setup, workload, allocator, router, queue_order) -> str | N
         return "it covers pipeline_parallel_size up to 2"
     if spec.data_parallel_size > 1:
         return "it covers data_parallel_size=1"
+    if spec.num_speculative_tokens:
+        return "it does not model speculative decoding"
     if workload.max_concurrency is not None:
         return "it does not model a client's cap on requests in flight (scenario.max_concurrency)"
     if any(request.n != 1 for session in workload.one_copy for request in session.turns):

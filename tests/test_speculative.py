@@ -1,0 +1,109 @@
+"""Speculative decoding (`speculative_config`, vLLM's --speculative-config): a one-layer draft
+proposes k tokens, the model verifies 1 + k queries a sequence, and each verification yields the
+measured acceptance length on average; the rejected drafts' slots are slack again."""
+import json
+
+import pandas as pd
+import pytest
+
+from sim.kvcache.block import BlockAllocator
+from sim.latency import BatchShape, LatencyModel, load_profile
+from sim.models import load_model
+from sim.scheduler import Scheduler, SchedulerSpec, Sequence
+
+from tests.helpers import request
+from tests.test_cli import SMALL, assert_one_line_error, sim
+
+
+def scheduler(k=3, accept=2.5, blocks=64, block_size=4):
+    spec = SchedulerSpec(8, 64, True, 256, num_speculative_tokens=k, acceptance_length=accept)
+    return Scheduler(spec, BlockAllocator(blocks, block_size))
+
+
+def test_verifications_yield_the_acceptance_length_on_average_and_never_more_than_drafts_plus_one():
+    s = scheduler(accept=2.5)
+    seq = Sequence(request(1, [(1, 8)], 1000), 0.0, 2000)
+    yields = []
+    for _ in range(6):
+        yields.append(s.accepted(seq, 3))
+        seq.num_verifications += 1
+    assert yields == [2, 3, 2, 3, 2, 3]
+    assert scheduler(accept=4.0).accepted(seq, 2) == 3  # at most the drafts and the bonus token
+    seq.num_output, seq.num_tokens = 999, 8 + 999
+    assert s.accepted(seq, 3) == 1  # one token left to produce
+
+
+def test_a_decoding_sequence_verifies_k_drafts_and_its_slots_do_not_drift():
+    s = scheduler(k=3, accept=2.5)
+    seq = Sequence(request(1, [(1, 8)], 40), 0.0, 256)
+    s.add(seq)
+    now, shapes = 0.0, []
+    while seq.finish_time_s != seq.finish_time_s:
+        plan = s.schedule()
+        shapes.append(plan.shape)
+        now += 1.0
+        s.commit(plan, now)
+        if seq.finish_time_s != seq.finish_time_s:
+            record = s.allocator.seqs[seq.seq_id]
+            assert record.num_tokens == seq.num_computed  # the rejected drafts' slots are slack
+            assert len(record.table) <= -(-(seq.num_computed + 4) // 4)
+    assert seq.num_output == 40
+    verify = shapes[1]
+    assert (verify.num_decode_seqs, verify.decode_queries, verify.num_sampled) == (1, 4, 4)
+    assert verify.num_tokens == 4
+    # 40 tokens: the prefill's first, then 39 from verifications yielding 2, 3, 2, 3, ...
+    assert len(shapes) == 1 + 16
+
+
+def latency(k=3):
+    return LatencyModel(load_model("deepseek_v3"), load_profile("h200"), 8, "bf16", (1, 2, 4, 8, 16, 32),
+                        expert_parallel=True, num_speculative_tokens=k)
+
+
+def test_a_verification_step_reads_each_sequences_kv_once_for_its_queries_and_runs_k_draft_passes():
+    model = latency()
+    plain = BatchShape(num_decode_seqs=4, decode_context_tokens=4 * 2000, num_sampled=4)
+    verify = BatchShape(num_decode_seqs=4, decode_context_tokens=4 * 2000, num_sampled=16, decode_queries=16)
+    p, v = model.breakdown(plain), model.breakdown(verify)
+    assert "speculative_draft" not in p and v["speculative_draft"] > 0
+    assert p["attention_decode"] < v["attention_decode"] < 4 * p["attention_decode"]
+    assert model.graph_size(verify) == 16  # captured by tokens, as vLLM does
+    one_layer = sum(model._token_ops(4)) / model.model.num_layers
+    assert v["speculative_draft"] == pytest.approx(
+        3 * (one_layer + model.attention_decode_time(plain) + model.lm_head_time(4)), rel=1e-12)
+
+
+def test_a_run_with_mtp_drafts_emits_every_token_in_fewer_steps_and_says_so(tmp_path):
+    args = ["run", "scenario=bench", "model=deepseek_v3", "gpu=h200", "tensor_parallel_size=8",
+            "scenario.input_len=256", "scenario.output_len=64", "scenario.num_prompts=4",
+            "scenario.max_concurrency=1", "plots=false", "allocators=[paged]"]
+    out = sim(tmp_path, *args, "hydra.run.dir=spec", "speculative_config.method=mtp",
+              "speculative_config.num_speculative_tokens=3", "speculative_config.acceptance_length=2.8")
+    assert out.returncode == 0, out.stderr
+    assert "speculative_config.num_speculative_tokens=3" in out.stdout.splitlines()[0]
+    base = sim(tmp_path, *args, "hydra.run.dir=base")
+    assert base.returncode == 0, base.stderr
+    spec, plain = (json.loads((tmp_path / run / "paged" / "metrics.json").read_text()) for run in ("spec", "base"))
+    tokens = [pd.read_parquet(tmp_path / run / "paged" / "requests.parquet").output_tokens.tolist()
+              for run in ("spec", "base")]
+    assert tokens == [[64] * 4, [64] * 4]
+    # 63 tokens after the first from verifications of 2.8 on average: 23 steps a request, not 63
+    assert spec["scheduler"]["num_steps"] == 4 * (1 + 23) and plain["scheduler"]["num_steps"] == 4 * 64
+    assert spec["vllm_bench"]["mean_tpot_ms"] < plain["vllm_bench"]["mean_tpot_ms"] / 2
+
+
+@pytest.mark.parametrize("keys, fragments", [
+    (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=3"],
+     ["speculative_config.acceptance_length=None", "between 1 and 4"]),
+    (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
+      "speculative_config.acceptance_length=3.5"], ["between 1 and 3"]),
+    (["speculative_config.num_speculative_tokens=2"], ["give a method and 1 or more tokens"]),
+    (["speculative_config.method=medusa", "speculative_config.num_speculative_tokens=2"],
+     ["unknown speculative_config.method 'medusa'"]),
+    (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
+      "speculative_config.acceptance_length=2", "allocators=[prefix]"], ["paged allocator only", "key allocators"]),
+    (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
+      "speculative_config.acceptance_length=2", "disaggregation.enabled=true"], ["with disaggregation"]),
+])
+def test_speculative_decoding_it_cannot_model_is_one_line(tmp_path, keys, fragments):
+    assert_one_line_error(sim(tmp_path, "run", *SMALL, *keys), *fragments)
