@@ -107,3 +107,19 @@ def test_a_run_with_mtp_drafts_emits_every_token_in_fewer_steps_and_says_so(tmp_
 ])
 def test_speculative_decoding_it_cannot_model_is_one_line(tmp_path, keys, fragments):
     assert_one_line_error(sim(tmp_path, "run", *SMALL, *keys), *fragments)
+
+
+def test_the_draft_and_verification_cost_against_tensorrt_llms_deepseek_r1_mtp_measurements():
+    """TensorRT-LLM tech blog 1 (DeepSeek-R1-FP4, 8 B200s, batch 1, 1k/2k): no MTP 111 TPS/user;
+    MTP 1, 2, 3: acceptance 1.92, 2.58, 2.82 at 198, 250, 253 TPS/user. A step with k drafts then
+    costs acceptance x 111 / TPS of a plain step: 1.08, 1.15, 1.24 (PR #4762: 1.08, 1.21, 1.34)."""
+    import dataclasses
+    model = dataclasses.replace(load_model("deepseek_v3"), weight_dtype="nvfp4")
+    published = {1: 1.92 * 111 / 198, 2: 2.58 * 111 / 250, 3: 2.82 * 111 / 253}
+    plain = BatchShape(num_decode_seqs=1, decode_context_tokens=2048, num_sampled=1)
+    for k, cost in published.items():
+        lat = LatencyModel(model, load_profile("b200"), 8, "bf16", (1, 2, 4, 8), expert_parallel=True,
+                           async_scheduling=True, num_speculative_tokens=k)
+        verify = BatchShape(num_decode_seqs=1, decode_context_tokens=2048, num_sampled=k + 1, decode_queries=k + 1)
+        ratio = lat.step_time(verify) / lat.step_time(plain)
+        assert ratio == pytest.approx(cost, rel=0.10)  # kvsim 1.05, 1.13, 1.15
