@@ -58,23 +58,28 @@ class KvPool:
 
 
 def _pool_bytes(model: ModelSpec, profile: GpuProfile, tp: int, utilization: float,
-                reserve_per_gpu: float, dp: int = 1) -> float:
+                reserve_per_gpu: float, dp: int = 1, draft_layers: int = 0) -> float:
     gpus = tp * dp
-    return utilization * profile.memory_bytes * gpus - model.stored_weight_bytes(dp) - reserve_per_gpu * gpus
+    draft = dp * draft_layers * model.weight_bytes / model.num_layers  # a draft layer on every rank
+    return (utilization * profile.memory_bytes * gpus - model.stored_weight_bytes(dp) - draft
+            - reserve_per_gpu * gpus)
 
 
 def size_kv_pool(model: ModelSpec, profile: GpuProfile, *, tensor_parallel_size: int,
                  kv_dtype: str, block_size: int, max_model_len: int,
                  gpu_memory_utilization: float, activation_reserve_bytes: float,
                  kv_cache_memory_bytes: int | None, pipeline_parallel_size: int = 1,
-                 data_parallel_size: int = 1) -> KvPool:
+                 data_parallel_size: int = 1, draft_layers: int = 0) -> KvPool:
+    """draft_layers: a speculative-decoding draft's layers (its weights and KV besides the model's,
+    counted as layers like the model's)."""
     tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
-    most_layers = -(-model.num_layers // pp)  # ceil: the most loaded stage
+    most_layers = -(-(model.num_layers + draft_layers) // pp)  # ceil: the most loaded stage
     scale = model.kv_replication(tp) * (most_layers * pp / model.num_layers)
     if kv_cache_memory_bytes is not None:
         pool = float(kv_cache_memory_bytes) * tp * pp * dp
     else:
-        pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes, dp)
+        pool = _pool_bytes(model, profile, tp * pp, gpu_memory_utilization, activation_reserve_bytes, dp,
+                           draft_layers)
     block_size = model.engine_block_size(block_size, kv_dtype, tp)  # (raised for state layers)
     layout = hybrid_layout(model.layer_groups, [model.entry_bytes(g, kv_dtype) for g in model.layer_groups],
                            block_size, scale, model.kv_replication(tp))

@@ -313,6 +313,9 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(k >= 0 and (k == 0) == (spec_cfg["method"] is None), "speculative_config.num_speculative_tokens",
              f"speculative_config.num_speculative_tokens={k} with method={spec_cfg['method']}",
              "give a method and 1 or more tokens, or neither")
+    _require(k > 0 or accept is None, "speculative_config.acceptance_length",
+             f"speculative_config.acceptance_length={accept} without speculative decoding",
+             "give a method and num_speculative_tokens too, or leave acceptance_length null")
     _require(k == 0 or (accept is not None and 1 <= accept <= k + 1), "speculative_config.acceptance_length",
              f"speculative_config.acceptance_length={accept} with num_speculative_tokens={k}",
              f"give the measured mean tokens a verification yields, between 1 and {k + 1}")

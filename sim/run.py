@@ -215,7 +215,8 @@ def prepare(cfg: DictConfig) -> Setup:
                         activation_reserve_bytes=spec.activation_reserve_bytes,
                         kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                         pipeline_parallel_size=spec.pipeline_parallel_size,
-                        data_parallel_size=spec.data_parallel_size)
+                        data_parallel_size=spec.data_parallel_size,
+                        draft_layers=1 if spec.num_speculative_tokens else 0)
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
@@ -253,6 +254,11 @@ def prepare(cfg: DictConfig) -> Setup:
             check_speculative(name, allocator, model)
         if not takes_tiers(allocator):
             tierless.append(name)
+    if spec.num_speculative_tokens:
+        print(f"note: speculative_config: {spec.num_speculative_tokens} passes a decode step of a one-layer draft "
+              f"(one layer's share of {model.name}, whatever the method), each verification yielding "
+              f"{spec.acceptance_length:g} tokens on average, the same for every sequence; the draft layer's "
+              f"weights and KV are taken from the pool; drafts after a prefill are not charged", file=sys.stderr)
     if spec.kv_offload.enabled and tierless:
         which = ("is not built for models with window or compressed layers" if getattr(pool, "layout", None)
                  is not None else "applies to the prefix allocator (vLLM's prefix cache) only")
@@ -275,7 +281,8 @@ def check_speculative(name: str, allocator, model) -> None:
                           f"layers) is not modelled, key speculative_config.method, set it null")
     if not (type(allocator) is BlockAllocator and not allocator.enable_caching):
         raise ConfigError(f"speculative decoding applies to the paged allocator only (without prefix caching), "
-                          f"not '{name}', key allocators, use allocators=[paged] or speculative_config.method=null")
+                          f"not '{name}', key allocators, use allocators=[paged] with enable_prefix_caching=false, "
+                          f"or speculative_config.method=null")
 
 
 def check_no_evict(name: str, allocator) -> None:
@@ -406,6 +413,8 @@ def simulate(setup: Setup, workload: Workload, allocator_name: str, router_cfg,
             "num_held_requests": cluster.num_held_requests,
             "mean_held_s_per_held_request": (cluster.held_time_s / cluster.num_held_requests
                                              if cluster.num_held_requests else 0.0)}
+    if spec.num_speculative_tokens:
+        metrics["speculative_decoding"] = speculative_facts(spec, [r.scheduler for r in cluster.replicas])
     return RunResult(allocator_name, metrics, requests, timeline, _allocator_config(setup, allocator_name))
 
 
@@ -489,6 +498,19 @@ def summarize_run(setup: Setup, workload: Workload, recorder: Recorder, wall_tim
                                         "num_failed_requests": workload.num_failed_requests,
                                         "trace_format": workload.trace_format})
     return metrics, requests, timeline
+
+
+def speculative_facts(spec, schedulers: list) -> dict:
+    """What the verifications did, summed over replicas: the tokens each yielded on average (below
+    the acceptance length set where sequences end or budgets run short) and the share of draft
+    tokens accepted."""
+    verifications = sum(s.num_verifications for s in schedulers)
+    drafts = sum(s.num_draft_tokens for s in schedulers)
+    verified = sum(s.num_verified_tokens for s in schedulers)
+    return {"num_speculative_tokens": spec.num_speculative_tokens, "acceptance_length_set": spec.acceptance_length,
+            "num_verifications": verifications, "num_draft_tokens": drafts,
+            "tokens_per_verification": verified / verifications if verifications else 0.0,
+            "accepted_share_of_draft_tokens": (verified - verifications) / drafts if drafts else 0.0}
 
 
 def tier_facts(chains: list, pool: KvPool, load_wait_s: float) -> dict:

@@ -90,6 +90,30 @@ def test_a_run_with_mtp_drafts_emits_every_token_in_fewer_steps_and_says_so(tmp_
     # 63 tokens after the first from verifications of 2.8 on average: 23 steps a request, not 63
     assert spec["scheduler"]["num_steps"] == 4 * (1 + 23) and plain["scheduler"]["num_steps"] == 4 * 64
     assert spec["vllm_bench"]["mean_tpot_ms"] < plain["vllm_bench"]["mean_tpot_ms"] / 2
+    facts = spec["speculative_decoding"]
+    assert facts["num_verifications"] == 4 * 23 and "speculative_decoding" not in plain
+    assert facts["tokens_per_verification"] == pytest.approx(63 / 23)  # 2.74: the last one capped
+    assert facts["accepted_share_of_draft_tokens"] == pytest.approx(4 * (63 - 23) / facts["num_draft_tokens"])
+    assert "one-layer draft" in out.stderr
+
+
+def test_the_draft_layer_takes_its_weights_and_kv_from_the_pool_and_drafts_run_per_micro_batch():
+    from sim.capacity import size_kv_pool
+    model, profile = load_model("llama31_8b"), load_profile("h100")
+
+    def pool(draft_layers):
+        return size_kv_pool(model, profile, tensor_parallel_size=1, kv_dtype="bf16", block_size=16,
+                            max_model_len=8192, gpu_memory_utilization=0.9, activation_reserve_bytes=2 * 2**30,
+                            kv_cache_memory_bytes=None, draft_layers=draft_layers)
+    plain, drafted = pool(0), pool(1)
+    assert plain.pool_bytes - drafted.pool_bytes == pytest.approx(model.weight_bytes / model.num_layers, abs=2)
+    assert drafted.bytes_per_token == pytest.approx(plain.bytes_per_token * (model.num_layers + 1) / model.num_layers)
+    verify = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 1000, num_sampled=256, decode_queries=256)
+    one, two = (LatencyModel(load_model("llama31_70b"), load_profile("h100"), 2, "bf16", pipeline_parallel_size=pp,
+                             num_speculative_tokens=3) for pp in (1, 2))
+    micro = verify.micro_batch(2)
+    assert two.breakdown(verify)["speculative_draft"] == pytest.approx(2 * two.draft_time(micro), rel=1e-12)
+    assert one.breakdown(verify)["speculative_draft"] == pytest.approx(one.draft_time(verify), rel=1e-12)
 
 
 @pytest.mark.parametrize("keys, fragments", [
@@ -98,6 +122,10 @@ def test_a_run_with_mtp_drafts_emits_every_token_in_fewer_steps_and_says_so(tmp_
     (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
       "speculative_config.acceptance_length=3.5"], ["between 1 and 3"]),
     (["speculative_config.num_speculative_tokens=2"], ["give a method and 1 or more tokens"]),
+    (["speculative_config.acceptance_length=2"], ["acceptance_length=2.0 without speculative decoding"]),
+    (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
+      "speculative_config.acceptance_length=2", "allocators=[paged]", "enable_prefix_caching=true"],
+     ["enable_prefix_caching=false"]),
     (["speculative_config.method=medusa", "speculative_config.num_speculative_tokens=2"],
      ["unknown speculative_config.method 'medusa'"]),
     (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",

@@ -254,8 +254,8 @@ class LatencyModel:
                                         num_sampled=min(whole.num_sampled, whole.num_prefill_seqs), swap_tokens=0)
             latency = sum(self._gpu_ops(chunk, 0, 1).values())
             times["pipeline_bubble"] = max(0.0, latency - sum(times.values()))
-        if shape.decode_queries and self.speculative_tokens:
-            times["speculative_draft"] = self.draft_time(shape)
+        if shape.decode_queries and self.speculative_tokens:  # (each micro-batch drafts)
+            times["speculative_draft"] = parts * self.draft_time(shape)
         if whole.swap_tokens:
             times["swap"] = self.swap_time(whole.swap_tokens)
         if whole.copy_tokens:

@@ -122,6 +122,9 @@ class Scheduler:
         self._copied_tokens = 0  # the allocator's KV copies already in a plan
         self._next_sibling_id = FIRST_SIBLING_ID
         self.admission_blocked_by: str | None = None
+        # Speculative decoding, summed over the run: verifications, draft tokens verified, tokens
+        # the verifications yielded (metrics.json's speculative_decoding block)
+        self.num_verifications = self.num_draft_tokens = self.num_verified_tokens = 0
         self._chunk_cap = spec.max_chunk_tokens or spec.max_num_batched_tokens
         step_tokens = spec.max_num_batched_tokens if spec.enable_chunked_prefill else spec.max_model_len
         self._reservations = Reservations(allocator, step_tokens) if spec.guaranteed_no_evict else None
@@ -206,9 +209,10 @@ class Scheduler:
         return StepPlan(tuple(scheduled), shape, num_preempted, tuple(running[:len(cohort)]))
 
     def _drafts(self, seq: Sequence, budget: int) -> int:
-        """Draft tokens a decoding sequence verifies this step: k, fewer near its end (the slots
-        never pass its final length) or when the step's budget is short."""
-        return max(0, min(self.spec.num_speculative_tokens, seq.final_len - seq.num_tokens, budget - 1))
+        """Draft tokens a decoding sequence verifies this step: k, fewer near its end (no more
+        than the tokens it has left after this step's one, as vLLM caps them) or when the step's
+        budget is short."""
+        return max(0, min(self.spec.num_speculative_tokens, seq.final_len - seq.num_tokens - 1, budget - 1))
 
     def accepted(self, seq: Sequence, drafts: int) -> int:
         """Tokens a verification yields: acceptance_length on average, deterministically (the
@@ -340,6 +344,9 @@ class Scheduler:
             if num_new > seq.num_tokens - seq.num_computed:  # a verification (speculative decoding)
                 new_tokens = self.accepted(seq, num_new - 1)
                 seq.num_verifications += 1
+                self.num_verifications += 1
+                self.num_draft_tokens += num_new - 1
+                self.num_verified_tokens += new_tokens
                 seq.num_computed += new_tokens
                 self.allocator.rewind(seq, seq.num_computed)  # the rejected drafts' slots are slack
             else:
