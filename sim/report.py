@@ -88,14 +88,14 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     """model, GPU, parallelism and precision (where not the default), replicas, scenario and, in a
     sweep, the job's overrides."""
     scenario = hydra_cfg.runtime.choices.get("scenario") if hydra_cfg is not None else None
+    drafts = cfg.get("speculative_config") or {}
     extra = "".join(f" {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value, default in (
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
         ("data_parallel_size", cfg.get("data_parallel_size", 1), 1),
-        ("speculative_config.method", cfg.get("speculative_config", {}).get("method"), None),
-        ("speculative_config.num_speculative_tokens",
-         cfg.get("speculative_config", {}).get("num_speculative_tokens", 0), 0),
-        ("speculative_config.acceptance_length", cfg.get("speculative_config", {}).get("acceptance_length"), None),
+        ("speculative_config.method", drafts.get("method"), None),
+        ("speculative_config.num_speculative_tokens", drafts.get("num_speculative_tokens", 0), 0),
+        ("speculative_config.acceptance_length", drafts.get("acceptance_length"), None),
         ("quantization", cfg.get("quantization"), None),
         ("async_scheduling", cfg.get("async_scheduling", False) and cfg.get("pipeline_parallel_size", 1) == 1, False),
         ("capacity_scheduler_policy", cfg.get("capacity_scheduler_policy", "max_utilization"), "max_utilization"))

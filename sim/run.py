@@ -208,6 +208,9 @@ def prepare(cfg: DictConfig) -> Setup:
     check_fp4_units(model.weight_dtype, profile, "gpu", spec.gpu)
     kv_dtype = resolve_kv_dtype(model, spec.kv_cache_dtype)
     check_data_parallel(model, spec)
+    if spec.num_speculative_tokens and model.attention_groups:
+        raise ConfigError(f"speculative decoding with {model.name}'s layer groups (window, compressed or state "
+                          f"layers) is not modelled, key speculative_config.method, set it null")
     pool = size_kv_pool(model, profile, tensor_parallel_size=spec.tensor_parallel_size,
                         kv_dtype=kv_dtype, block_size=spec.block_size,
                         max_model_len=spec.max_model_len,
@@ -220,11 +223,6 @@ def prepare(cfg: DictConfig) -> Setup:
     if spec.pipeline_parallel_size > model.num_layers:
         raise ConfigError(f"pipeline_parallel_size={spec.pipeline_parallel_size} exceeds {model.name}'s "
                           f"{model.num_layers} layers, key pipeline_parallel_size, use at most {model.num_layers}")
-    expert_gpus = spec.tensor_parallel_size * spec.data_parallel_size
-    if spec.enable_expert_parallel and not (model.num_moe_layers and expert_gpus > 1):
-        why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
-        print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
-              file=sys.stderr)
     async_scheduling = spec.async_scheduling and spec.pipeline_parallel_size == 1
     if spec.async_scheduling and not async_scheduling:
         print("warning: async_scheduling=true has no effect with pipeline_parallel_size > 1 (kvsim does not "
@@ -236,6 +234,10 @@ def prepare(cfg: DictConfig) -> Setup:
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
                            spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size,
                            spec.num_speculative_tokens)
+    if spec.enable_expert_parallel and not latency.expert_parallel:
+        why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
+        print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",
+              file=sys.stderr)
     options = OmegaConf.to_container(cfg.allocator_options, resolve=True)
     configs = {name: load_allocator_config(name) for name in allocator_names(spec)}
     for name, values in options.items():
@@ -251,7 +253,7 @@ def prepare(cfg: DictConfig) -> Setup:
         if spec.capacity_scheduler_policy == "guaranteed_no_evict":
             check_no_evict(name, allocator)
         if spec.num_speculative_tokens:
-            check_speculative(name, allocator, model)
+            check_speculative(name, allocator)
         if not takes_tiers(allocator):
             tierless.append(name)
     if spec.num_speculative_tokens:
@@ -273,12 +275,9 @@ def prepare(cfg: DictConfig) -> Setup:
     return Setup(spec, model, kv_dtype, pool, latency, configs)
 
 
-def check_speculative(name: str, allocator, model) -> None:
+def check_speculative(name: str, allocator) -> None:
     """Speculative decoding's lookahead slots are modelled on the paged allocator (without prefix
-    caching) and for models of one attention kind."""
-    if model.attention_groups:
-        raise ConfigError(f"speculative decoding with {model.name}'s layer groups (window, compressed or state "
-                          f"layers) is not modelled, key speculative_config.method, set it null")
+    caching); prepare refuses models of several attention kinds before."""
     if not (type(allocator) is BlockAllocator and not allocator.enable_caching):
         raise ConfigError(f"speculative decoding applies to the paged allocator only (without prefix caching), "
                           f"not '{name}', key allocators, use allocators=[paged] with enable_prefix_caching=false, "

@@ -68,7 +68,7 @@ def test_a_verification_step_reads_each_sequences_kv_once_for_its_queries_and_ru
     assert "speculative_draft" not in p and v["speculative_draft"] > 0
     assert p["attention_decode"] < v["attention_decode"] < 4 * p["attention_decode"]
     assert model.graph_size(verify) == 16  # captured by tokens, as vLLM does
-    one_layer = sum(model._token_ops(4)) / model.model.num_layers
+    one_layer = sum(model.token_ops(4)) / model.model.num_layers
     assert v["speculative_draft"] == pytest.approx(
         3 * (one_layer + model.attention_decode_time(plain) + model.lm_head_time(4)), rel=1e-12)
 
@@ -132,6 +132,9 @@ def test_the_draft_layer_takes_its_weights_and_kv_from_the_pool_and_drafts_run_p
       "speculative_config.acceptance_length=2", "allocators=[prefix]"], ["paged allocator only", "key allocators"]),
     (["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2",
       "speculative_config.acceptance_length=2", "disaggregation.enabled=true"], ["with disaggregation"]),
+    (["speculative_config.method=eagle", "speculative_config.num_speculative_tokens=2",
+      "speculative_config.acceptance_length=2", "model=gemma3_27b", "tensor_parallel_size=2"],
+     ["gemma3_27b's layer groups", "key speculative_config.method"]),
 ])
 def test_speculative_decoding_it_cannot_model_is_one_line(tmp_path, keys, fragments):
     assert_one_line_error(sim(tmp_path, "run", *SMALL, *keys), *fragments)

@@ -119,7 +119,6 @@ class LatencyModel:
         # for the busiest rank: rank_shape), the experts spread over all of them.
         self.dp = data_parallel_size
         self.speculative_tokens = num_speculative_tokens  # draft passes a verification step runs
-        self._draft_terms: dict[float, float] = {}
         self.overlap_kv_load = overlap_kv_load  # tier loads beside the GPU work (sim.kvcache.tiers)
         self.pp = pipeline_parallel_size
         tp = tensor_parallel_size
@@ -290,11 +289,9 @@ class LatencyModel:
         one layer's share of the model's GEMMs, collectives and elementwise kernels, one layer of
         decode attention, and the LM head."""
         seqs = shape.num_decode_seqs
-        per_token = self._draft_terms.get(seqs)
-        if per_token is None:
-            per_token = self._draft_terms[seqs] = sum(self._token_ops(seqs)) / self.model.num_layers
+        layer = sum(self.token_ops(seqs)) / self.model.num_layers
         plain = dataclasses.replace(shape, decode_queries=0)
-        return self.speculative_tokens * (per_token + self.attention_decode_time(plain) + self.lm_head_time(seqs))
+        return self.speculative_tokens * (layer + self.attention_decode_time(plain) + self.lm_head_time(seqs))
 
     def busy_ranks(self, num_seqs: float) -> float:
         """Data-parallel ranks holding a sequence (balanced): all, or one per sequence."""
@@ -327,12 +324,8 @@ class LatencyModel:
         the tokens of all ranks, which the MoE layers run."""
         m, tokens = self.model, shape.num_tokens
         padded, sampled = (graph, graph) if graph else (tokens, shape.num_sampled)
-        key = padded if self.dp == 1 else (padded, every)
-        per_token = self._per_token_count.get(key)
-        if per_token is None:  # the GEMMs and all-reduces depend on the token count alone
-            per_token = self._per_token_count[key] = self._token_ops(padded, every)
         lm_head = self.lm_head_time(sampled)
-        qkv_o_proj, mlp, allreduce, all_to_all, elementwise = per_token
+        qkv_o_proj, mlp, allreduce, all_to_all, elementwise = self.token_ops(padded, every)
         times = {
             "qkv_o_proj": qkv_o_proj, "mlp": mlp, "elementwise": elementwise, "lm_head": parts * lm_head,
             "attention_prefill": 0.0, "attention_decode": 0.0, "allreduce": allreduce,
@@ -365,6 +358,14 @@ class LatencyModel:
         """The host's critical step work (schedule, prepare inputs, sample); output processing is
         cpu_output_time."""
         return self.cpu_op.time("step", num_seqs, cpu_step_work)
+
+    def token_ops(self, tokens: float, every: float | None = None) -> tuple[float, float, float, float, float]:
+        """_token_ops, memoized: steps repeat token counts far more often than shapes."""
+        key = tokens if self.dp == 1 else (tokens, every)
+        terms = self._per_token_count.get(key)
+        if terms is None:  # the GEMMs and all-reduces depend on the token count alone
+            terms = self._per_token_count[key] = self._token_ops(tokens, every)
+        return terms
 
     def _token_ops(self, tokens: float, every: float | None = None) -> tuple[float, float, float, float, float]:
         """(QKV and O projections, MLP, all-reduce, all-to-all, elementwise kernels) seconds for a

@@ -12,11 +12,8 @@ from sim.latency.model import LatencyModel
 def _token_terms(latency: LatencyModel, padded: float) -> tuple[float, ...]:
     """(QKV and O projections, MLP, all-reduce, all-to-all, elementwise, send/recv) at `padded` tokens, from
     the model's own memo as _gpu_ops reads it."""
-    per_token = latency._per_token_count.get(padded)
-    if per_token is None:
-        per_token = latency._per_token_count[padded] = latency._token_ops(padded)
     send_recv = latency.send_recv_time(padded) if latency.pp > 1 else 0.0
-    return (*per_token, send_recv)
+    return (*latency.token_ops(padded), send_recv)
 
 
 def _attention(latency: LatencyModel, op, dims: tuple[float, float]) -> tuple[np.ndarray, ...]:
