@@ -184,13 +184,15 @@ class LatencyModel:
         # --async-scheduling run it: a step pays only the CPU time beyond its GPU time.
         self.async_scheduling = async_scheduling
         self.expert_parallel = bool(expert_parallel and model.num_moe_layers and tp * self.dp > 1)
-        self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
-                            lambda nbytes: self._op("gemm", 0.0, nbytes, self.gemm_peak),
-                            self.expert_parallel, self.dp) if model.num_moe_layers else None
         self.all_to_all_op = self._calibrated("all_to_all", "all_to_all", 1.0, link)
         self.send_recv_op = self._calibrated("send_recv", "send_recv", 1.0, link)
         self.kv_copy_op = self._calibrated("kv_copy", "kv_copy", 1.0, self.bw)
         self.elementwise_op = self._calibrated("elementwise", "elementwise", 1.0, self.bw)
+        # (a MoE layer's top-k, alignment, activation and weighted sum are small streaming
+        # kernels, timed as the elementwise ones: sim.latency.moe)
+        self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
+                            lambda nbytes: self.elementwise_op.time("stream", nbytes, copy_work),
+                            self.expert_parallel, self.dp) if model.num_moe_layers else None
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
         if block_scaled:  # (per-tensor FP8 and NVFP4: no quant kernels, see above group_quant_kernels)
             self.elementwise_kernels += group_quant_kernels(model, tp)

@@ -4,7 +4,10 @@ token alignment by expert, two grouped GEMMs over the experts the batch touches 
 kernel whose tiles run per expert, so a touched expert with few tokens runs a small, inefficient
 GEMM), SiLU-and-mul between them, the weighted sum of the top-k outputs, and the shared experts
 as dense GEMMs. Every GEMM is timed by the profile's calibrated GEMM; the small routing kernels
-read and write their bytes at the GEMM's memory efficiency with its fixed cost.
+(top-k, alignment, activation, weighted sum) as the step's other streaming kernels (the
+profile's `elementwise` operator: their bytes at its memory efficiency, its fixed cost of a few
+microseconds; until 2026-12-05 they paid the GEMM's fixed cost, 14 us on Hopper, which put a
+batch-1 fused MoE at 1.2-2x vLLM's measured kernel times: tests/test_moe_kernels.py).
 
 Expert parallelism (`enable_expert_parallel`, EP = the TP group): each GPU holds E / EP whole
 experts instead of a 1/TP slice of every expert, and runs the tokens routed to them: the same
@@ -58,6 +61,17 @@ class MoeLayer:
     def time(self, tokens: float, every: float | None = None) -> float:
         """One layer on one GPU for a step of `tokens` tokens on its attention rank and `every`
         on all ranks (by default the ranks balanced)."""
+        router, grouped, shared, routing = self._parts(tokens, every)
+        return router + grouped + shared + routing
+
+    def fused_time(self, tokens: float) -> float:
+        """The routed experts' kernels alone (top-k, alignment, the two grouped GEMMs, activation,
+        weighted sum): what vLLM's benchmark_moe.py times as fused_moe, without the router GEMM
+        and the shared experts."""
+        _, grouped, _, routing = self._parts(tokens, None)
+        return grouped + routing
+
+    def _parts(self, tokens: float, every: float | None) -> tuple[float, float, float, float]:
         m, gemm, h = self.model, self.gemm.time, self.model.hidden_size
         k, every = m.num_active_experts, tokens * self.ranks if every is None else every
         touched = self.touched_experts(every)
@@ -71,4 +85,4 @@ class MoeLayer:
                    + self.memory_time(tokens * k * 2 * INDEX_BYTES)                          # align
                    + self.memory_time(routed * m.mlp_activation_widths * self.inter * ACTIVATION_BYTES)  # activation
                    + self.memory_time((routed + every / self.ep) * h * ACTIVATION_BYTES))    # weighted sum
-        return router + grouped + shared + routing
+        return router, grouped, shared, routing
