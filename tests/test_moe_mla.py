@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from sim.latency import BatchShape, LatencyModel, load_profile
+from sim.latency.calibrated import GROUPED_GEMM_COMPUTE_SHARE
 from sim.latency.model import mla_gemms
 from sim.models import load_model
 
@@ -53,12 +54,14 @@ def test_moe_compute_bound_time_is_the_active_experts_flops_and_every_expert_run
     tokens = 65536
     time, latency = moe_time(model, tokens, profile)
     peak = profile.bf16_flops_per_s * profile.op("gemm").compute_efficiency
-    experts = 2 * tokens * (model.num_active_experts + model.num_shared_experts) * model.expert_params / 8
+    routed = 2 * tokens * model.num_active_experts * model.expert_params / 8  # grouped, at its share of the peak
+    shared = 2 * tokens * model.num_shared_experts * model.expert_params / 8  # dense GEMMs
     router = 2 * tokens * model.num_experts * model.hidden_size
     k, h, inter = model.num_active_experts, model.hidden_size, model.expert_intermediate_size / 8
     routing = tokens * (model.num_experts * 4 + k * 16 + k * 3 * inter * 2 + (k + 1) * h * 2)
     bandwidth = profile.hbm_bandwidth_bytes_per_s * profile.op("elementwise").memory_efficiency  # routing kernels
-    assert time == pytest.approx((experts + router) / peak + routing / bandwidth, rel=1e-6)
+    assert time == pytest.approx(routed / (peak * GROUPED_GEMM_COMPUTE_SHARE) + (shared + router) / peak
+                                 + routing / bandwidth, rel=1e-6)
 
 
 def test_a_small_moe_batch_reads_every_touched_expert_and_costs_more_per_token():

@@ -127,12 +127,22 @@ class CalibratedOp:
         return cached
 
 
+# vLLM's Triton fused_moe reaches these shares of the dense GEMM's compute and memory
+# efficiencies: fitted (calibration/grouped_gemm.py) to the fused_moe times vLLM PR #24700
+# published for Mixtral-8x7B in BF16 at TP 2 on an H100, batch 1-1,536 (kvsim/measured 0.84-1.03
+# with them, 0.75-0.92 without); held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR
+# #36554, batch 1-32) come out 0.90-1.02 (tests/test_moe_kernels.py).
+GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE = 0.80, 0.88
+
+
 class CalibratedGemm:
     """GEMM time for (m, n, k, dtype): fp8 runs against the fp8 peak where the GPU has one, nvfp4
     against the fp4 peak (sim.run refuses nvfp4 on a GPU without one)."""
 
-    def __init__(self, ops_by_dtype: dict[str, CalibratedOp]):
+    def __init__(self, ops_by_dtype: dict[str, CalibratedOp],
+                 grouped_shares: tuple[float, float] = (GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE)):
         self.ops_by_dtype = ops_by_dtype
+        self.grouped_shares = grouped_shares  # (compute, memory): of the dense GEMM's efficiencies
 
     def _op(self, dtype: str) -> tuple[CalibratedOp, str]:
         """The calibrated op for a GEMM dtype and the dtype its operands are stored in."""
@@ -144,11 +154,12 @@ class CalibratedGemm:
 
     def grouped_time(self, m: float, groups: float, n: float, k: float, dtype: str) -> float:
         """One grouped-GEMM kernel of `groups` (m x k) @ (k x n) products (MoE experts): their
-        summed work, one fixed cost, and the correction at the per-group m (small groups run
-        small, inefficient tiles)."""
+        summed work at the grouped kernel's shares of the dense GEMM's efficiencies, one fixed
+        cost, and the correction at the per-group m (small groups run small, inefficient tiles)."""
         op, stored = self._op(dtype)
         flops, nbytes = gemm_work(m, n, k, stored)
-        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops, groups * nbytes))
+        compute, memory = self.grouped_shares
+        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops / compute, groups * nbytes / memory))
 
 
 def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = True) -> CalibratedOp:
