@@ -54,7 +54,10 @@ class GpuProfile:
         derived = {"gemm_fp8_block": "prior:gemm_fp8 at 0.53 of its compute rate (FBGEMM PR #2546, H100: "
                                      "blockwise FP8 with scaling against row-wise FP8)"} if self.fp8_flops_per_s else {}
         # (imported here: sim.latency.calibrated imports this module)
-        from sim.latency.calibrated import GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE
+        from sim.latency.calibrated import (
+            GROUPED_GEMM_COMPUTE_SHARE,
+            GROUPED_GEMM_MEMORY_SHARE,
+        )
         derived["gemm_grouped"] = (f"imported:vLLM PR #24700 benchmark_moe (Mixtral-8x7B BF16, TP 2, H100): MoE "
                                    f"experts' grouped GEMMs at {GROUPED_GEMM_COMPUTE_SHARE} of the gemm's compute and "
                                    f"{GROUPED_GEMM_MEMORY_SHARE} of its memory efficiency (calibration/grouped_gemm.py)")
