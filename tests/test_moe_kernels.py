@@ -2,8 +2,9 @@
 (calibration/published/fused_moe_times.csv, its README; calibration/grouped_gemm.py).
 
 vLLM's benchmarks/kernels/benchmark_moe.py times the routed experts' kernels (top-k, alignment,
-the two grouped GEMMs, activation, weighted sum) in a CUDA graph with about uniform routing:
-MoeLayer.fused_time is that part of a MoE layer.
+the two grouped GEMMs, activation, weighted sum; for block-scaled FP8 also the two input
+quantizations) in a CUDA graph with about uniform routing: MoeLayer.fused_time is that part of a
+MoE layer (FusedMoeBench adds the quantizations, which kvsim counts with the elementwise kernels).
 """
 import statistics
 
@@ -36,12 +37,22 @@ def test_the_fit_recovers_known_shares():
     assert fit_shares(fitting, fitting.predicted_us(known)) == pytest.approx(known, abs=1e-9)
 
 
-def test_held_out_deepseek_block_fp8_experts_on_h200_follow_the_fit():
+def test_held_out_deepseek_block_fp8_experts_on_h200_follow_the_fitted_memory_share():
+    """Batch 1-8 of DeepSeek-R1's experts read weights: they check the memory share only (the
+    compute share rests on the fit rows' largest batches, 1,024 and 1,536 tokens)."""
     held_out = bench("held_out")
     assert {(r["model"], r["gpu"], r["dtype"]) for r in held_out.rows} == {("deepseek_v3", "h200", "fp8_block")}
     ratios = held_out.ratios()
     assert all(0.85 <= r <= 1.15 for r in ratios), ratios
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
+    with pytest.raises(ValueError, match="do not constrain the compute share"):
+        fit_shares(held_out)
+
+
+def test_a_row_of_an_unknown_dtype_is_refused():
+    row = {**published_rows("fit")[0], "dtype": "int8_w8a16"}
+    with pytest.raises(ValueError, match="dtype 'int8_w8a16' is none of bf16, fp8, fp8_block"):
+        FusedMoeBench([row])
 
 
 def test_batch_one_pays_small_kernels_not_the_gemms_fixed_cost():

@@ -130,8 +130,9 @@ class CalibratedOp:
 # vLLM's Triton fused_moe reaches these shares of the dense GEMM's compute and memory
 # efficiencies: fitted (calibration/grouped_gemm.py) to the fused_moe times vLLM PR #24700
 # published for Mixtral-8x7B in BF16 at TP 2 on an H100, batch 1-1,536 (kvsim/measured 0.84-1.03
-# with them, 0.75-0.92 without); held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR
-# #36554, batch 1-32) come out 0.90-1.02 (tests/test_moe_kernels.py).
+# with them, 0.75-0.92 without). Held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR
+# #36554, batch 1-8, weight-bound: a check of the memory share only) come out 0.91-1.04
+# (tests/test_moe_kernels.py); the compute share rests on the fit's batches of 1,024 and 1,536.
 GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE = 0.80, 0.88
 
 

@@ -582,6 +582,12 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
 # block-scaled FP8's per_token_group_quant kernels are (group_quant_kernels).
 
 
+def group_quant_bytes(width: float) -> float:
+    """Bytes per token of one per_token_group_quant_fp8 over `width` activations: 16-bit values
+    read, FP8 values and a 4-byte scale per 128 written."""
+    return width * (ACTIVATION_BYTES + 1 + 4 / 128)
+
+
 def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
     """(layers, bytes per token on one rank) of the activation quantization block-scaled FP8
     GEMMs need (per_token_group_quant_fp8, one per GEMM input: 16-bit activations read, FP8 values
@@ -589,8 +595,7 @@ def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
     attention's input (the fused query and KV down-projections'), the query up-projection's and
     the output projection's; the MLP's input and its down-projection's (a MoE layer: each routed
     copy of a token's, and the shared experts')."""
-    def quant(width: float) -> float:
-        return width * (ACTIVATION_BYTES + 1 + 4 / 128)
+    quant = group_quant_bytes
     layers, h = model.num_attention_layers, model.hidden_size
     out = (model.v_head_dim if model.is_mla else model.head_dim) * model.num_heads / tp
     kernels = [(layers, quant(h)), (layers, quant(out))]

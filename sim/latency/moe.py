@@ -3,12 +3,13 @@ vllm/model_executor/layers/fused_moe/fused_moe.py): a replicated router GEMM, to
 token alignment by expert, two grouped GEMMs over the experts the batch touches (each a single
 kernel whose tiles run per expert, so a touched expert with few tokens runs a small, inefficient
 GEMM), SiLU-and-mul between them, the weighted sum of the top-k outputs, and the shared experts
-as dense GEMMs. Every GEMM is timed by the profile's calibrated GEMM (the experts' grouped GEMMs
-at the shares of its efficiencies vLLM's fused kernel reaches, sim.latency.calibrated); the small routing kernels
-(top-k, alignment, activation, weighted sum) as the step's other streaming kernels (the
-profile's `elementwise` operator: their bytes at its memory efficiency, its fixed cost of a few
-microseconds; until 2026-12-05 they paid the GEMM's fixed cost, 14 us on Hopper, which put a
-batch-1 fused MoE at 1.2-2x vLLM's measured kernel times: tests/test_moe_kernels.py).
+as dense GEMMs. Every GEMM is timed by the profile's calibrated GEMM, the experts' grouped
+GEMMs at the shares of its efficiencies that vLLM's fused kernel reaches (sim.latency.calibrated);
+the small routing kernels (top-k, alignment, activation, weighted sum) as the step's other
+streaming kernels (the profile's `elementwise` operator: their bytes at its memory efficiency,
+its fixed cost of a few microseconds; until 2026-12-05 they paid the GEMM's fixed cost, 14 us
+on Hopper, which put a batch-1 fused MoE at 1.2-2x vLLM's measured kernel times:
+tests/test_moe_kernels.py).
 
 Expert parallelism (`enable_expert_parallel`, EP = the TP group): each GPU holds E / EP whole
 experts instead of a 1/TP slice of every expert, and runs the tokens routed to them: the same

@@ -58,9 +58,10 @@ class GpuProfile:
             GROUPED_GEMM_COMPUTE_SHARE,
             GROUPED_GEMM_MEMORY_SHARE,
         )
-        derived["gemm_grouped"] = (f"imported:vLLM PR #24700 benchmark_moe (Mixtral-8x7B BF16, TP 2, H100): MoE "
-                                   f"experts' grouped GEMMs at {GROUPED_GEMM_COMPUTE_SHARE} of the gemm's compute and "
-                                   f"{GROUPED_GEMM_MEMORY_SHARE} of its memory efficiency (calibration/grouped_gemm.py)")
+        shares = (f"MoE experts' grouped GEMMs at {GROUPED_GEMM_COMPUTE_SHARE:.2f} of the gemm's compute and "
+                  f"{GROUPED_GEMM_MEMORY_SHARE:.2f} of its memory efficiency, fitted to vLLM PR #24700's "
+                  f"benchmark_moe times (Mixtral-8x7B BF16, TP 2, H100; calibration/grouped_gemm.py)")
+        derived["gemm_grouped"] = f"imported:{shares}" if self.name == "h100" else f"prior:the H100's fit: {shares}"
         return {**{name: op.source for name, op in self.operators.items()}, **derived, "launch": self.launch_source}
 
     def op(self, name: str) -> OperatorEfficiency:
