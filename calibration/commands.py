@@ -101,7 +101,7 @@ def fit_task(cfg: DictConfig) -> None:
     """Refit a profile from a raw CSV (no GPU needed)."""
     frame = read_raw(Path(cfg.raw))
     source = str(frame.source.dropna().iloc[0]) if "source" in frame and frame.source.notna().any() else "measured"
-    _fit_and_write(frame, cfg, "imported" if source.startswith("vidur") else "measured", origin=str(cfg.raw))
+    _fit_and_write(frame, cfg, "measured" if source == "measured" else "imported", origin=str(cfg.raw))
 
 
 def import_vidur_task(cfg: DictConfig) -> None:

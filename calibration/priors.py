@@ -32,6 +32,9 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
   issue #488: a CUDA-graph replay costs about 15 us fixed.
 - Vidur's H100 GEMM timings (microsoft/vidur e26eb8f7, data/profiling/compute/h100/meta-llama/
   Llama-2-7b-hf/mlp.csv, TP 1 rows): the packaged h100 GEMM is fitted to them (import-vidur).
+- Published B200 BF16 GEMM timings (vLLM PRs #18778, #19566, #20578; torchao PR #2427): the
+  packaged b200 GEMM is fitted to them (calibration/published/b200_gemm_times.csv, its README);
+  its FP8 and FP4 GEMMs below follow at the MAMF / cuBLASLt best-shape ratios.
 - Vidur's cpu_overheads.csv (microsoft/vidur e2d00e9, Sarathi-Serve on an A100 host, CodeLlama-34B
   TP 2): schedule + prepare inputs + sampler 0.769 ms + 6.9 us per sequence, output processing
   0.093 ms + 29.4 us per sequence, per step (calibration/reports/a100_80g).

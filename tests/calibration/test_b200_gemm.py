@@ -1,0 +1,52 @@
+"""B200 GEMMs: the packaged profile's 16-bit GEMM is fitted to published B200 BF16 timings
+(calibration/published/b200_gemm_times.csv), and its FP8 and FP4 GEMMs, derived from that fit at
+the priors' ratios, are checked against published B200 timings of other kernels."""
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from calibration.commands import profile_json
+from calibration.fit import evaluate, operator_params, predict, prepare
+
+ROOT = Path(__file__).parent.parent.parent
+PUBLISHED = ROOT / "calibration" / "published" / "b200_gemm_times.csv"
+TFLOPS = 1e12
+
+
+def timings(dtype: str, points) -> pd.DataFrame:
+    return pd.DataFrame([{"op": "gemm", "m": m, "n": n, "k": k, "dtype": dtype,
+                          "time_s": 2 * m * n * k / (tflops * TFLOPS)} for m, n, k, tflops in points])
+
+
+def errors(rows: pd.DataFrame, operator: str) -> np.ndarray:
+    profile = profile_json("b200")
+    prepared = prepare(rows.reset_index(drop=True), "gemm", profile)
+    predicted = predict(prepared, profile, "gemm", profile["operators"][operator])
+    return (predicted - prepared.t.to_numpy()) / prepared.t.to_numpy()
+
+
+def test_the_b200_gemm_is_imported_from_the_published_timings_and_holds_out_within_15_percent():
+    profile = profile_json("b200")
+    assert profile["operators"]["gemm"]["source"].startswith("imported:")
+    assert profile["operators"]["gemm"]["origin"] == "calibration/published/b200_gemm_times.csv"
+    report = evaluate(prepare(pd.read_csv(PUBLISHED), "gemm", profile), profile, "gemm",
+                      operator_params(profile, "gemm"))
+    assert report["held_out_classes"]["mape"] <= 0.15
+    assert report["extrapolation"]["mape"] <= 0.15
+    assert profile["operators"]["gemm"]["compute_efficiency"] < 1745.0 / 2250  # below the best-shape MAMF
+
+
+def test_b200_fp8_and_fp4_gemms_of_other_kernels_are_faster_by_about_a_sixth():
+    """vLLM's CUTLASS kernels without the activation quantization (vLLM PR #19566 FP8 per-tensor,
+    PR #20578 NVFP4, the GEMM alone): kvsim is faster, as the ratios it carries over are the best
+    shapes' (stas00's MAMF, cuBLASLt at 8192^3)."""
+    fp8 = timings("fp8", [(512, 6144, 4096, 1838.7), (1024, 6144, 4096, 2341.4), (16384, 6144, 4096, 2544.68),
+                          (512, 4096, 4096, 1832.0), (1024, 4096, 4096, 2076.66)])
+    fp4 = timings("nvfp4", [(512, 6144, 4096, 2188), (1024, 6144, 4096, 2895), (2048, 6144, 4096, 3411), (4096, 6144, 4096, 3645.59),
+                            (8192, 6144, 4096, 3779), (16384, 6144, 4096, 3904)])
+    for rows, operator in ((fp8, "gemm_fp8"), (fp4, "gemm_fp4")):
+        error = errors(rows, operator)
+        assert (error < 0).all() and np.abs(error).max() <= 0.4, (operator, error)  # FP4 at m=512: -37%
+        assert np.abs(error).mean() == pytest.approx(0.16, abs=0.04), (operator, error)
