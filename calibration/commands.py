@@ -100,8 +100,22 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
 def fit_task(cfg: DictConfig) -> None:
     """Refit a profile from a raw CSV (no GPU needed)."""
     frame = read_raw(Path(cfg.raw))
-    source = str(frame.source.dropna().iloc[0]) if "source" in frame and frame.source.notna().any() else "measured"
-    _fit_and_write(frame, cfg, "measured" if source == "measured" else "imported", origin=str(cfg.raw))
+    _fit_and_write(frame, cfg, raw_provenance(frame, Path(cfg.raw)), origin=str(cfg.raw))
+
+
+def raw_provenance(frame, path: Path) -> str:
+    """`measured` when every row's source is `measured` (or the file has no sources: calibration
+    run writes `measured`), `imported` when none is (Vidur's, published timings); a file mixing
+    both is refused."""
+    if "source" not in frame or frame.source.isna().all():
+        return "measured"
+    measured = frame.source.fillna("measured").astype(str).str.strip().str.lower().eq("measured")
+    if measured.all():
+        return "measured"
+    if not measured.any():
+        return "imported"
+    raise RawError(f"{path}: {int(measured.sum())} rows say source=measured and {int((~measured).sum())} name "
+                   f"another source, field source, fit measured and imported timings from separate files")
 
 
 def import_vidur_task(cfg: DictConfig) -> None:

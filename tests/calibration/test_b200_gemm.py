@@ -38,6 +38,18 @@ def test_the_b200_gemm_is_imported_from_the_published_timings_and_holds_out_with
     assert profile["operators"]["gemm"]["compute_efficiency"] < 1745.0 / 2250  # below the best-shape MAMF
 
 
+def test_weight_bound_b200_gemms_the_fit_never_saw_are_within_15_percent():
+    """The same PRs' rows at m 1-256 (N=6144 K=4096), which the fit (m >= 512) never saw: they read
+    the weights, so they check the fixed cost (1.5 us) and the memory efficiency the fit kept; the
+    best-shape prior (4 us) was about a third slow on them."""
+    rows = timings("bf16", [(1, 6144, 4096, 5.916331), (16, 6144, 4096, 94.832504), (64, 6144, 4096, 402.560830),
+                            (128, 6144, 4096, 729.298288), (256, 6144, 4096, 1100.851307),  # vLLM PR #19566
+                            (1, 6144, 4096, 5.924172), (16, 6144, 4096, 94.808087), (64, 6144, 4096, 402.453176),
+                            (128, 6144, 4096, 729.098503), (256, 6144, 4096, 1127.022999)])  # vLLM PR #20578
+    error = errors(rows, "gemm")
+    assert np.abs(error).max() <= 0.15 and np.abs(error).mean() <= 0.10, error
+
+
 def test_b200_fp8_and_fp4_gemms_of_other_kernels_are_faster_by_about_a_sixth():
     """vLLM's CUTLASS kernels without the activation quantization (vLLM PR #19566 FP8 per-tensor,
     PR #20578 NVFP4, the GEMM alone): kvsim is faster, as the ratios it carries over are the best

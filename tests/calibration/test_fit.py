@@ -187,3 +187,18 @@ def test_calibration_run_without_torch_says_what_to_install(tmp_path):
         "install them first: pip install torch==2.13.0 triton==3.7.1 (fit, import-vidur, predict and "
         "show need neither)"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_raw_csv_is_measured_imported_or_refused_by_every_row_source():
+    from calibration.commands import raw_provenance
+    from calibration.raw import RawError
+
+    def frame(*sources):
+        return pd.DataFrame({"op": "gemm", "m": 1, "n": 1, "k": 1, "dtype": "bf16", "time_s": 1e-5,
+                             "source": list(sources)})
+
+    assert raw_provenance(frame("measured", "Measured"), Path("x.csv")) == "measured"
+    assert raw_provenance(frame(None, None), Path("x.csv")) == "measured"  # no sources: calibration run's own
+    assert raw_provenance(frame("vLLM PR #19566", "torchao PR #2427"), Path("x.csv")) == "imported"
+    with pytest.raises(RawError, match="1 rows say source=measured and 1 name another source"):
+        raw_provenance(frame("measured", "vLLM PR #19566"), Path("x.csv"))
