@@ -18,7 +18,7 @@ import math
 import statistics
 from importlib import resources
 
-from sim.latency.model import LatencyModel, group_quant_bytes
+from sim.latency.model import LatencyModel, group_quant_bytes, moe_quant_widths
 from sim.latency.operators import copy_work
 from sim.latency.profile import load_profile
 from sim.models import ModelSpec, load_model
@@ -78,8 +78,7 @@ class FusedMoeBench:
             finally:
                 latency.gemm.grouped_shares = kept
             if row["dtype"] == "fp8_block":
-                model, tp = latency.model, int(row["tensor_parallel_size"])
-                widths = (model.hidden_size, model.num_active_experts * model.expert_intermediate_size / tp)
+                widths = moe_quant_widths(latency.model, latency.tp)
                 seconds += sum(latency.elementwise_op.time("stream", tokens * group_quant_bytes(w), copy_work)
                                for w in widths)
             times.append(seconds * 1e6)

@@ -605,10 +605,15 @@ def group_quant_kernels(model: ModelSpec, tp: int) -> list[tuple[int, float]]:
     if dense:
         kernels += [(dense, quant(h)), (dense, quant(model.intermediate_size / tp))]
     if model.num_moe_layers:
-        routed = model.num_active_experts * model.expert_intermediate_size / tp
-        shared = model.num_shared_experts * model.expert_intermediate_size / tp
-        kernels += [(model.num_moe_layers, quant(h)), (model.num_moe_layers, quant(routed + shared))]
+        kernels += [(model.num_moe_layers, quant(width)) for width in moe_quant_widths(model, tp)]
     return kernels
+
+
+def moe_quant_widths(model: ModelSpec, tp: int) -> tuple[float, float]:
+    """The activations a MoE layer's block-scaled FP8 GEMMs quantize per token on one rank: its
+    input, and its down-projections' (each routed copy of a token's, and the shared experts')."""
+    experts = model.num_active_experts + model.num_shared_experts
+    return model.hidden_size, experts * model.expert_intermediate_size / tp
 
 
 def mla_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float]]:

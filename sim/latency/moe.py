@@ -52,8 +52,12 @@ class MoeLayer:
     def all_to_all_bytes(self, tokens: float, every: float | None = None) -> float:
         """One all-to-all's message per GPU under EP (`tokens`: one rank's, `every`: all ranks',
         by default the ranks balanced): its 1/EP of all ranks' tokens, k copies each."""
-        every = tokens * self.ranks if every is None else every
-        return every / self.ep * self.model.num_active_experts * self.model.hidden_size * ACTIVATION_BYTES
+        return self._all_ranks(tokens, every) / self.ep * self.model.num_active_experts * self.model.hidden_size \
+            * ACTIVATION_BYTES
+
+    def _all_ranks(self, tokens: float, every: float | None) -> float:
+        """The tokens all attention ranks send a MoE layer (by default `tokens` on each rank)."""
+        return tokens * self.ranks if every is None else every
 
     def touched_experts(self, tokens: float) -> float:
         """Expected distinct routed experts that `tokens` tokens choosing k of E each touch."""
@@ -75,7 +79,7 @@ class MoeLayer:
 
     def _parts(self, tokens: float, every: float | None) -> tuple[float, float, float, float]:
         m, gemm, h = self.model, self.gemm.time, self.model.hidden_size
-        k, every = m.num_active_experts, tokens * self.ranks if every is None else every
+        k, every = m.num_active_experts, self._all_ranks(tokens, every)
         touched = self.touched_experts(every)
         per_expert = every * k / touched
         router = gemm(tokens, m.num_experts, h, ROUTER_DTYPE)
