@@ -202,3 +202,13 @@ def test_a_raw_csv_is_measured_imported_or_refused_by_every_row_source():
     assert raw_provenance(frame("vLLM PR #19566", "torchao PR #2427"), Path("x.csv")) == "imported"
     with pytest.raises(RawError, match="1 rows say source=measured and 1 name another source"):
         raw_provenance(frame("measured", "vLLM PR #19566"), Path("x.csv"))
+
+
+def test_fitting_a_raw_csv_of_measured_and_imported_rows_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    (tmp_path / "raw.csv").write_text("op,m,n,k,dtype,time_s,source\n"
+                                      "gemm,512,4096,4096,bf16,1e-5,measured\n"
+                                      "gemm,1024,4096,4096,bf16,2e-5,vLLM PR #19566\n")
+    out = run("fit", "raw=raw.csv", "name=b200", "base=b200", cwd=tmp_path)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "fit measured and imported timings" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.csv"]
