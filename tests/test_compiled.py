@@ -339,6 +339,34 @@ def test_a_tree_of_prompts_of_the_same_shapes_but_other_contents_is_not_read(mon
     assert hash(own) == hash(replace(own, prefix_tree=None)) and own == replace(own, prefix_tree=None)
 
 
+def test_requests_are_found_by_their_recorded_ids_in_any_order_and_a_doubled_id_is_not_trusted(monkeypatch):
+    """The interner records each request it made (id, whole prompt id, output content id): the
+    keys are read through those records whether the requests reach the engine in the order made
+    or not; an id recorded twice says nothing of which request it is, and an id not recorded
+    (a request made with another interner) neither: both read the requests' tuples."""
+    from sim.engine.compiled import rows
+    from sim.workload.request import PrefixInterner, Session, Workload, make_request
+    interner = PrefixInterner()
+    made = [make_request(interner, request_id, [(1, 64), (10 + request_id, 16)], 4, 100 + request_id)
+            for request_id in (7, 3, 5)]
+    read = []
+    tuples = rows._keys_from_tuples
+    monkeypatch.setattr(rows, "_keys_from_tuples", lambda *args: read.append(1) or tuples(*args))
+
+    def workload(requests, tree):  # one session per request, arriving in the order given
+        return Workload(tuple(Session(r.request_id, float(i), (r,)) for i, r in enumerate(requests)),
+                        prefix_tree=tree)
+    _segment_rows_match_requests(workload(made, interner.tree))
+    _segment_rows_match_requests(workload(made[::-1], interner.tree))
+    assert read == []
+    other = make_request(PrefixInterner(), 9, [(1, 64)], 4, 200)
+    _segment_rows_match_requests(workload([*made, other], interner.tree))
+    assert read == [1]
+    make_request(interner, 3, [(1, 64)], 4, 300)  # a second request of id 3
+    _segment_rows_match_requests(workload(made, interner.tree))
+    assert read == [1, 1]
+
+
 def test_the_pool_takes_small_pages_and_gives_numpy_its_setting_back():
     """The pool's arrays are allocated with numpy's huge-page advice off (driver._small_pages);
     numpy's own setting is restored after, whichever it was."""

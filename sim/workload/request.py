@@ -30,13 +30,18 @@ class PrefixTree:
     """An interner's prefixes by id (0: the empty prefix), in machine integers (numpy reads
     them without a copy): each one's parent (the prefix before its last segment), that
     segment's content id, the prefix's tokens and its segments. A request's segments can be
-    read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so).
+    read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so),
+    and the requests made with the interner (make_request) are recorded by id with their whole
+    prompt's id and output content id, so that the reader need not touch each request's tuples.
     An array('q') cannot grow while a numpy view of it lives (BufferError): readers copy the
     columns (rows.PrefixTable.of). Compared and hashed by identity."""
     parents: array = field(default_factory=lambda: array("q", [0]))
     contents: array = field(default_factory=lambda: array("q", [0]))
     tokens: array = field(default_factory=lambda: array("q", [0]))
     depths: array = field(default_factory=lambda: array("q", [0]))
+    request_ids: array = field(default_factory=lambda: array("q"))          # in the order made
+    request_prompts: array = field(default_factory=lambda: array("q"))      # whole prompt's id
+    request_output_contents: array = field(default_factory=lambda: array("q"))
 
 
 class PrefixInterner:
@@ -128,6 +133,10 @@ def make_request(interner: PrefixInterner, request_id: int, segments, output_len
         prefix_ids.append(prefix)
     if position + output_len >= 1 << KEY_FIELD_BITS:
         raise ValueError(f"request of {position + output_len} tokens: offsets outside the packed key's 32 bits")
+    tree = interner.tree
+    tree.request_ids.append(request_id)
+    tree.request_prompts.append(prefix)
+    tree.request_output_contents.append(output_content_id)
     return Request(request_id=request_id, prompt_len=position, output_len=output_len,
                    segments=tuple(segments), prefix_ids=tuple(prefix_ids),
                    segment_starts=tuple(starts), output_content_id=output_content_id, **extra)
