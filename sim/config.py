@@ -14,6 +14,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sim.errors import ConfigError
 from sim.kvcache.tiers import OffloadSpec
+from sim.latency.expert_load import EXPERT_TOKENS_CV
 from sim.slo import SloSpec, slo_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -171,6 +172,7 @@ class RunConfig:
     data_parallel_size: int = 1
     serving_overhead_s: float = 0.0
     enable_expert_parallel: bool = False
+    expert_tokens_cv: float = EXPERT_TOKENS_CV
     async_output_processing: bool = True
     async_scheduling: bool = False
 
@@ -252,6 +254,7 @@ class EngineSpec:
     data_parallel_size: int = 1          # attention ranks per replica (each a TP group), experts over all
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
+    expert_tokens_cv: float = EXPERT_TOKENS_CV  # spread of the routed tokens over experts (EP: the busiest GPU sets the pace)
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
     async_scheduling: bool = False        # the host's whole step overlaps the GPU's (vLLM's --async-scheduling)
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)
@@ -302,6 +305,9 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
              f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1",
              "use 1 or more stages (at most the model's layers; uneven splits are allowed, as in vLLM)")
+    _require(c["expert_tokens_cv"] >= 0, "expert_tokens_cv",
+             f"expert_tokens_cv={c['expert_tokens_cv']} is negative",
+             "give the experts' routed tokens' coefficient of variation, >= 0 (0: every GPU alike)")
     _require(c["data_parallel_size"] >= 1, "data_parallel_size",
              f"data_parallel_size={c['data_parallel_size']} is below 1",
              "use 1, or the attention ranks of a MoE replica with enable_expert_parallel=true")
@@ -385,6 +391,7 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         quantization=QUANTIZATIONS[c["quantization"]], pipeline_parallel_size=c["pipeline_parallel_size"],
         data_parallel_size=c["data_parallel_size"],
         serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
+        expert_tokens_cv=c["expert_tokens_cv"],
         async_output_processing=c["async_output_processing"], async_scheduling=c["async_scheduling"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),
         kv_offload=OffloadSpec(**c["kv_offload"]), num_speculative_tokens=k,

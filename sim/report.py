@@ -8,6 +8,7 @@ import pandas as pd
 from hydra.types import RunMode
 
 from sim.errors import KvsimError
+from sim.latency.expert_load import EXPERT_TOKENS_CV
 from sim.results import COMPARISON_FILE, _atomic, write_csv
 
 BREAKDOWN = [("token_states", "token states", "#4C72B0"), ("reserved", "reserved", "#DD8452"),
@@ -92,6 +93,7 @@ def run_title(cfg, hydra_cfg=None, replicas: str | None = None) -> str:
     extra = "".join(f" {key}={str(value).lower() if isinstance(value, bool) else value}" for key, value, default in (
         ("pipeline_parallel_size", cfg.get("pipeline_parallel_size", 1), 1),
         ("enable_expert_parallel", cfg.get("enable_expert_parallel", False), False),
+        ("expert_tokens_cv", cfg.get("expert_tokens_cv", EXPERT_TOKENS_CV), EXPERT_TOKENS_CV),
         ("data_parallel_size", cfg.get("data_parallel_size", 1), 1),
         ("speculative_config.method", drafts.get("method"), None),
         ("speculative_config.num_speculative_tokens", drafts.get("num_speculative_tokens", 0), 0),

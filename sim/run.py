@@ -26,6 +26,7 @@ from sim.kvcache.block import BlockAllocator
 from sim.kvcache.hybrid import HybridBlockAllocator
 from sim.kvcache.tiers import Tier, TierChain
 from sim.latency import LatencyModel, load_profile
+from sim.latency.expert_load import EXPERT_TOKENS_CV
 from sim.engine.clock import Environment
 from sim.engine.records import StepRecord
 from sim.metrics import summarize
@@ -182,7 +183,7 @@ def say_data_parallel(spec) -> None:
     where = f"data_parallel_size={spec.data_parallel_size}"
     print(f"note: {where}: the ranks share one scheduler and one KV pool in kvsim (a rank may hold more than "
           f"its share of the blocks; each sequence's chunk in a step is at most max_num_batched_tokens), a "
-          f"step waits for the busiest rank, and expert load is balanced", file=sys.stderr)
+          f"step waits for the busiest rank", file=sys.stderr)
     gpus = spec.tensor_parallel_size * spec.data_parallel_size
     if gpus > NVLINK_DOMAIN_GPUS:
         print(f"warning: {where} x tensor_parallel_size={spec.tensor_parallel_size} spreads the experts over "
@@ -233,7 +234,17 @@ def prepare(cfg: DictConfig) -> Setup:
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
                            spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size,
-                           spec.num_speculative_tokens)
+                           spec.num_speculative_tokens, spec.expert_tokens_cv)
+    if latency.expert_parallel:
+        copies, gpus = latency.moe.model.num_active_experts * 4096, latency.moe.ep
+        busiest = latency.moe.busiest_gpu(4096)[1] / (copies / gpus)
+        print(f"note: expert parallelism over {gpus} GPUs: each MoE layer waits for its busiest GPU, which "
+              f"gets {busiest:.2f}x the mean routed tokens at 4,096 tokens a step "
+              f"(expert_tokens_cv={spec.expert_tokens_cv:g}; 0: every GPU alike)", file=sys.stderr)
+    elif spec.expert_tokens_cv != EXPERT_TOKENS_CV:
+        print(f"warning: expert_tokens_cv={spec.expert_tokens_cv:g} has no effect without expert parallelism "
+              f"(a MoE GPU then holds a slice of every expert); fix: leave it at {EXPERT_TOKENS_CV:g}",
+              file=sys.stderr)
     if spec.enable_expert_parallel and not latency.expert_parallel:
         why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",

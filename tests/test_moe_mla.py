@@ -73,20 +73,42 @@ def test_a_small_moe_batch_reads_every_touched_expert_and_costs_more_per_token()
     assert many / 256 < one  # per token, batching amortises the expert weights
 
 
-def moe_layers(tokens, profile):
+def moe_layers(tokens, profile, expert_tokens_cv=0.0):
     from sim.latency.calibrated import calibrated_gemm
     from sim.latency.moe import MoeLayer
     model = dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16")
     gemm = calibrated_gemm(profile)
-    return [MoeLayer(model, 8, gemm, "bf16", lambda nbytes: 0.0, ep) for ep in (False, True)]
+    return [MoeLayer(model, 8, gemm, "bf16", lambda nbytes: 0.0, ep, expert_tokens_cv=expert_tokens_cv)
+            for ep in (False, True)]
 
 
 def test_expert_parallelism_runs_the_same_expert_work_per_gpu_in_wider_gemms():
+    """With the experts' load even (expert_tokens_cv=0) every GPU runs the mean."""
     profile = bare(load_profile("h200"))
     tp, ep = moe_layers(65536, profile)  # compute-bound: time is FLOPs
     assert ep.time(65536) == pytest.approx(tp.time(65536), rel=1e-9)
     assert ep.expert_gemms[0][0] == 8 * tp.expert_gemms[0][0]  # whole experts, not 1/8 slices
     assert ep.all_to_all_bytes(800) == 800 / 8 * 8 * 7168 * 2  # its 1/8 of the tokens, k = 8 copies
+
+
+def test_an_expert_parallel_layer_waits_for_its_busiest_gpu():
+    """With the default spread a compute-bound layer takes the busiest GPU's share of the copies
+    over the mean's (about 1.35x over 8 GPUs of 32 experts), its all-to-all carries that GPU's
+    copies, and the tensor-parallel layer (a slice of every expert on each GPU) is unchanged."""
+    from sim.latency.expert_load import EXPERT_TOKENS_CV, busiest_gpu
+    profile = bare(load_profile("h200"))
+    even_tp, even_ep = moe_layers(65536, profile)
+    tp, ep = moe_layers(65536, profile, EXPERT_TOKENS_CV)
+    assert tp.time(65536) == even_tp.time(65536)
+    _, busiest = busiest_gpu(65536 * 8, 256, 256, 8, EXPERT_TOKENS_CV)
+    assert 1.3 < busiest / (65536 * 8 / 8) < 1.4
+    grouped, even = ep._parts(65536, None)[1], even_ep._parts(65536, None)[1]  # the routed experts' GEMMs
+    assert grouped == pytest.approx(even * busiest / 65536, rel=0.01)
+    assert ep.all_to_all_bytes(65536) == pytest.approx(busiest * 7168 * 2, rel=1e-12)
+    # one token: its 8 experts land on about 2.4 of the 8 GPUs' 32 at most, where the mean is 1
+    touched, copies = ep.busiest_gpu(1)
+    assert 2.0 < touched < 3.0 and copies >= touched
+    assert ep.time(1) > 1.5 * even_ep.time(1)  # weight-bound: the busiest GPU reads 2.4 experts' weights
 
 
 def test_expert_parallelism_moves_routed_tokens_by_all_to_all_and_keeps_stretches_exact():

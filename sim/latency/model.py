@@ -45,6 +45,7 @@ import numpy as np
 
 from sim.latency.calibrated import FP8_BLOCK, CalibratedOp, calibrated_gemm, calibrated_profile_op
 from sim.latency.collectives import all_reduce_for
+from sim.latency.expert_load import EXPERT_TOKENS_CV
 from sim.latency.operators import (ACTIVATION_BYTES, CATALOGUE, all_to_all_work, attention_class,
                                    attention_decode_work, attention_prefill_work, copy_work, cpu_step_work,
                                    send_recv_work)
@@ -113,7 +114,7 @@ class LatencyModel:
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
                  expert_parallel: bool = False, async_output_processing: bool = True,
                  overlap_kv_load: bool = True, async_scheduling: bool = False, data_parallel_size: int = 1,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, expert_tokens_cv: float = EXPERT_TOKENS_CV):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         # Data-parallel attention: dp ranks of tp GPUs, each with its own sequences (a step waits
         # for the busiest rank: rank_shape), the experts spread over all of them.
@@ -192,7 +193,7 @@ class LatencyModel:
         # kernels, timed as the elementwise ones: sim.latency.moe)
         self.moe = MoeLayer(model, tp, self.gemm, self.gemm_dtype,
                             lambda nbytes: self.elementwise_op.time("stream", nbytes, copy_work),
-                            self.expert_parallel, self.dp) if model.num_moe_layers else None
+                            self.expert_parallel, self.dp, expert_tokens_cv) if model.num_moe_layers else None
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
         if block_scaled:  # (per-tensor FP8 and NVFP4: no quant kernels, see above group_quant_kernels)
             self.elementwise_kernels += group_quant_kernels(model, tp)

@@ -16,7 +16,9 @@ experts instead of a 1/TP slice of every expert, and runs the tokens routed to t
 FLOPs and expert bytes per GPU in expectation, in wider GEMMs over fewer experts. The routed
 tokens travel by all-to-all (dispatch to the experts' GPUs, combine back) and the layer's output
 is gathered for the next attention instead of all-reduced (sim.latency.model). Shared experts
-stay split over TP.
+stay split over TP. The layer runs at the pace of its busiest GPU (sim.latency.expert_load):
+the most experts touched and token copies received, from the experts' popularity spread
+(`expert_tokens_cv`); until 2026-12-05 every GPU ran the mean.
 
 Data-parallel attention (`data_parallel_size` DP > 1, with EP): DP ranks of TP GPUs each run
 attention for their own sequences, and every MoE layer's experts are spread over all DP x TP GPUs,
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sim.latency.calibrated import CalibratedGemm
+from sim.latency.expert_load import EXPERT_TOKENS_CV, busiest_gpu
 from sim.latency.operators import ACTIVATION_BYTES
 from sim.models import ModelSpec
 
@@ -38,8 +41,9 @@ INDEX_BYTES = 4
 class MoeLayer:
     def __init__(self, model: ModelSpec, tp: int, gemm: CalibratedGemm, weight_dtype: str,
                  memory_time: Callable[[float], float], expert_parallel: bool = False,
-                 data_parallel_size: int = 1):
+                 data_parallel_size: int = 1, expert_tokens_cv: float = EXPERT_TOKENS_CV):
         self.model, self.gemm, self.dtype, self.memory_time = model, gemm, weight_dtype, memory_time
+        self.expert_tokens_cv = expert_tokens_cv  # the experts' routed tokens' spread (EP: the busiest GPU)
         self.ranks = data_parallel_size  # attention ranks whose tokens meet in every MoE layer
         self.ep = tp * data_parallel_size if expert_parallel else 1  # GPUs the experts are spread over, whole
         up = 2 if model.gated_mlp else 1
@@ -50,10 +54,19 @@ class MoeLayer:
         self.inter = inter
 
     def all_to_all_bytes(self, tokens: float, every: float | None = None) -> float:
-        """One all-to-all's message per GPU under EP (`tokens`: one rank's, `every`: all ranks',
-        by default the ranks balanced): its 1/EP of all ranks' tokens, k copies each."""
-        return self._all_ranks(tokens, every) / self.ep * self.model.num_active_experts * self.model.hidden_size \
-            * ACTIVATION_BYTES
+        """One all-to-all's message to the busiest GPU under EP (`tokens`: one rank's, `every`: all
+        ranks', by default the ranks balanced): the token copies its experts run."""
+        _, copies = self.busiest_gpu(self._all_ranks(tokens, every))
+        return copies * self.model.hidden_size * ACTIVATION_BYTES
+
+    def busiest_gpu(self, every: float) -> tuple[float, float]:
+        """(experts touched, token copies) on the GPU with the most when all ranks send `every`
+        tokens: without EP each GPU holds a slice of every touched expert and runs every copy."""
+        m = self.model
+        touched, copies = self.touched_experts(every), every * m.num_active_experts
+        if self.ep == 1:
+            return touched, copies
+        return busiest_gpu(copies, touched, m.num_experts, self.ep, self.expert_tokens_cv)
 
     def _all_ranks(self, tokens: float, every: float | None) -> float:
         """The tokens all attention ranks send a MoE layer (by default `tokens` on each rank)."""
@@ -80,12 +93,9 @@ class MoeLayer:
     def _parts(self, tokens: float, every: float | None) -> tuple[float, float, float, float]:
         m, gemm, h = self.model, self.gemm.time, self.model.hidden_size
         k, every = m.num_active_experts, self._all_ranks(tokens, every)
-        touched = self.touched_experts(every)
-        per_expert = every * k / touched
+        local, routed = self.busiest_gpu(every)  # the touched experts and token copies this GPU runs
         router = gemm(tokens, m.num_experts, h, ROUTER_DTYPE)
-        local = touched / self.ep  # this GPU's share of the touched experts (EP: its own experts)
-        grouped = sum(self.gemm.grouped_time(per_expert, local, n, kk, self.dtype) for n, kk in self.expert_gemms)
-        routed = every * k / self.ep  # token copies this GPU's experts run
+        grouped = sum(self.gemm.grouped_time(routed / local, local, n, kk, self.dtype) for n, kk in self.expert_gemms)
         shared = sum(gemm(tokens, n, kk, self.dtype) for n, kk in self.shared_gemms)
         routing = (self.memory_time(tokens * m.num_experts * 4 + tokens * k * 2 * INDEX_BYTES)  # top-k
                    + self.memory_time(tokens * k * 2 * INDEX_BYTES)                          # align
