@@ -251,6 +251,8 @@ def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset())
         return "capacity.search=rate keeps the replica count (capacity.search=replicas reads it)"
     if key == "capacity.tolerance" and cfg.capacity.search == "replicas" and "capacity.search" not in switches_given:
         return "capacity.search=replicas bisects whole replica counts"
+    if key == "expert_tokens_cv" and not cfg.enable_expert_parallel and "enable_expert_parallel" not in switches_given:
+        return "enable_expert_parallel is false (a MoE GPU then holds a slice of every expert, and no GPU is busiest)"
     if key == "figures" and cfg.figures_dir is None and "figures_dir" not in switches_given:
         return "figures_dir is not set (figures name what a sweep copies there)"
     if key == "cluster.router_staleness_s" and cfg.cluster.router_staleness_s and "router" not in switches_given \

@@ -6,6 +6,7 @@ shape varies (scenario, model, allocator) are validated when they are turned int
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -14,7 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sim.errors import ConfigError
 from sim.kvcache.tiers import OffloadSpec
-from sim.latency.expert_load import EXPERT_TOKENS_CV
+from sim.latency.expert_load import EXPERT_TOKENS_CV, MAX_EXPERT_TOKENS_CV
 from sim.slo import SloSpec, slo_spec
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -305,9 +306,11 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
              f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1",
              "use 1 or more stages (at most the model's layers; uneven splits are allowed, as in vLLM)")
-    _require(c["expert_tokens_cv"] >= 0, "expert_tokens_cv",
-             f"expert_tokens_cv={c['expert_tokens_cv']} is negative",
-             "give the experts' routed tokens' coefficient of variation, >= 0 (0: every GPU alike)")
+    cv = c["expert_tokens_cv"]
+    _require(math.isfinite(cv) and 0 <= cv <= MAX_EXPERT_TOKENS_CV, "expert_tokens_cv",
+             f"expert_tokens_cv={cv} is outside 0-{MAX_EXPERT_TOKENS_CV:g}",
+             f"give the coefficient of variation of the experts' shares of the routed tokens, 0 to "
+             f"{MAX_EXPERT_TOKENS_CV:g} (0: every GPU alike; {EXPERT_TOKENS_CV}: DeepSeek-R1 without a load balancer)")
     _require(c["data_parallel_size"] >= 1, "data_parallel_size",
              f"data_parallel_size={c['data_parallel_size']} is below 1",
              "use 1, or the attention ranks of a MoE replica with enable_expert_parallel=true")

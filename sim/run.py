@@ -26,7 +26,6 @@ from sim.kvcache.block import BlockAllocator
 from sim.kvcache.hybrid import HybridBlockAllocator
 from sim.kvcache.tiers import Tier, TierChain
 from sim.latency import LatencyModel, load_profile
-from sim.latency.expert_load import EXPERT_TOKENS_CV
 from sim.engine.clock import Environment
 from sim.engine.records import StepRecord
 from sim.metrics import summarize
@@ -176,6 +175,19 @@ def check_data_parallel(model, spec) -> None:
                           f"pipeline_parallel_size, use 1 (kvsim does not combine the two)")
 
 
+def say_busiest_gpu(moe, spec) -> None:
+    """What the busiest expert-parallel GPU does beyond the mean, at one token a step and at the
+    step's token budget (all attention ranks')."""
+    tokens = spec.max_num_batched_tokens * spec.data_parallel_size
+    (one_touched, _), (_, copies) = moe.busiest_gpu(1), moe.busiest_gpu(tokens)
+    mean_touched = moe.touched_experts(1) / moe.ep
+    mean_copies = tokens * moe.model.num_active_experts / moe.ep
+    print(f"note: expert parallelism over {moe.ep} GPUs: each MoE layer waits for its busiest GPU, which "
+          f"touches {one_touched:.2f} experts where the mean is {mean_touched:.2f} at 1 token a step, and gets "
+          f"{copies / mean_copies:.2f}x the mean routed tokens at {tokens:,} (expert_tokens_cv="
+          f"{spec.expert_tokens_cv:g}; 0: every GPU alike)", file=sys.stderr)
+
+
 def say_data_parallel(spec) -> None:
     """What kvsim simplifies in a data-parallel replica, said once its set-up has passed."""
     if spec.data_parallel_size == 1:
@@ -236,15 +248,7 @@ def prepare(cfg: DictConfig) -> Setup:
                            spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size,
                            spec.num_speculative_tokens, spec.expert_tokens_cv)
     if latency.expert_parallel:
-        copies, gpus = latency.moe.model.num_active_experts * 4096, latency.moe.ep
-        busiest = latency.moe.busiest_gpu(4096)[1] / (copies / gpus)
-        print(f"note: expert parallelism over {gpus} GPUs: each MoE layer waits for its busiest GPU, which "
-              f"gets {busiest:.2f}x the mean routed tokens at 4,096 tokens a step "
-              f"(expert_tokens_cv={spec.expert_tokens_cv:g}; 0: every GPU alike)", file=sys.stderr)
-    elif spec.expert_tokens_cv != EXPERT_TOKENS_CV:
-        print(f"warning: expert_tokens_cv={spec.expert_tokens_cv:g} has no effect without expert parallelism "
-              f"(a MoE GPU then holds a slice of every expert); fix: leave it at {EXPERT_TOKENS_CV:g}",
-              file=sys.stderr)
+        say_busiest_gpu(latency.moe, spec)
     if spec.enable_expert_parallel and not latency.expert_parallel:
         why = f"{model.name} has no experts" if not model.num_moe_layers else "tensor_parallel_size=1: one GPU"
         print(f"warning: enable_expert_parallel=true has no effect ({why}); fix: leave it false",

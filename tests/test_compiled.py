@@ -229,6 +229,7 @@ def _segment_rows_match_requests(workload):
         assert own[:, 1].tolist() == [content for content, _ in request.segments], i
         assert own[:, 2].tolist() == list(request.prefix_ids[:-1]), i
         assert keys.prompt_prefix[i] == request.prefix_ids[-1], i
+        assert keys.output_content[i] == request.output_content_id, i
     return len(keys.segments), sum(len(r.segments) for r in requests)
 
 
@@ -339,31 +340,33 @@ def test_a_tree_of_prompts_of_the_same_shapes_but_other_contents_is_not_read(mon
     assert hash(own) == hash(replace(own, prefix_tree=None)) and own == replace(own, prefix_tree=None)
 
 
-def test_requests_are_found_by_their_recorded_ids_in_any_order_and_a_doubled_id_is_not_trusted(monkeypatch):
-    """The interner records each request it made (id, whole prompt id, output content id): the
-    keys are read through those records whether the requests reach the engine in the order made
-    or not; an id recorded twice says nothing of which request it is, and an id not recorded
-    (a request made with another interner) neither: both read the requests' tuples."""
+def test_the_interners_own_requests_are_read_from_its_columns_in_any_order_and_a_rebuilt_one_is_not(monkeypatch):
+    """The interner keeps the requests it made (make_request) with their whole prompt ids and
+    output content ids: the keys are read from those columns whether the requests reach the
+    engine in the order made or not; a request not made by it (another interner's, or one of
+    its own rebuilt with another output content, the same tokens) sends the read to the tuples."""
+    from dataclasses import replace
+
     from sim.engine.compiled import rows
     from sim.workload.request import PrefixInterner, Session, Workload, make_request
     interner = PrefixInterner()
-    made = [make_request(interner, request_id, [(1, 64), (10 + request_id, 16)], 4, 100 + request_id)
-            for request_id in (7, 3, 5)]
+    made = [make_request(interner, request_id, [(1, 64), (10 + request_id, 16)], 4, 1000 + request_id)
+            for request_id in [7, 3, 5, *range(10, 600)]]  # more than a sample of them
     read = []
     tuples = rows._keys_from_tuples
     monkeypatch.setattr(rows, "_keys_from_tuples", lambda *args: read.append(1) or tuples(*args))
 
-    def workload(requests, tree):  # one session per request, arriving in the order given
+    def workload(requests):  # one session per request, arriving in the order given
         return Workload(tuple(Session(r.request_id, float(i), (r,)) for i, r in enumerate(requests)),
-                        prefix_tree=tree)
-    _segment_rows_match_requests(workload(made, interner.tree))
-    _segment_rows_match_requests(workload(made[::-1], interner.tree))
+                        prefix_tree=interner.tree)
+    _segment_rows_match_requests(workload(made))
+    _segment_rows_match_requests(workload(made[::-1]))
+    _segment_rows_match_requests(workload(made[1:]))
     assert read == []
     other = make_request(PrefixInterner(), 9, [(1, 64)], 4, 200)
-    _segment_rows_match_requests(workload([*made, other], interner.tree))
+    _segment_rows_match_requests(workload([*made, other]))
     assert read == [1]
-    make_request(interner, 3, [(1, 64)], 4, 300)  # a second request of id 3
-    _segment_rows_match_requests(workload(made, interner.tree))
+    _segment_rows_match_requests(workload([made[0], replace(made[1], output_content_id=300), *made[2:]]))
     assert read == [1, 1]
 
 

@@ -21,8 +21,8 @@ def test_tensorrt_llms_ep32_imbalance_is_reproduced_within_a_seventh_from_the_pe
     per-expert spread (std 164.1 over mean 128, the default) gives the busiest GPU and the busiest
     expert over the mean; the table measured 2.564 and 11.948. The model is short of both (a
     lognormal's tail is lighter than the measured one) by about a tenth."""
-    copies = 32 * 1024  # 1,024 routed tokens per GPU on average, as the table's
-    _, busiest = busiest_gpu(copies, 256, 256, 32, EXPERT_TOKENS_CV)
+    tokens = 32 * 1024 // 8  # 1,024 routed token copies per GPU on average, as the table's (top 8)
+    _, busiest = busiest_gpu(tokens, 8, 256, 256, 32, EXPERT_TOKENS_CV)
     gpu_ratio = busiest / 1024
     expert_ratio = busiest_over_mean(math.sqrt(EXPERT_TOKENS_CV ** 2 + 1 / 128), 256)
     assert gpu_ratio == pytest.approx(TRTLLM_EP32_BUSIEST_GPU_OVER_MEAN, rel=0.15)
@@ -49,12 +49,12 @@ def monte_carlo_busiest(tokens, num_experts, top_k, num_gpus, cv, trials=400, se
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 512])
-def test_the_busiest_gpu_agrees_with_a_monte_carlo_of_deepseeks_routing_over_ep8(tokens):
-    """DeepSeek-V3's 256 experts, top 8, over 8 GPUs: the closed form against a simulation of
-    the routing it stands for, from one token (weight-bound: experts touched) to 512 (token
-    copies), within a fifth."""
+def test_the_busiest_gpu_agrees_with_a_monte_carlo_of_top8_routing_over_ep8(tokens):
+    """256 experts (DeepSeek-V3's), top 8, over 8 GPUs: the closed form against a simulation of
+    the routing it stands for (without DeepSeek's limit of 4 expert groups a token), from one
+    token (weight-bound: experts touched) to 512 (token copies), within a fifth."""
     touched_total = 256 * (1 - (1 - 8 / 256) ** tokens)
-    touched, copies = busiest_gpu(tokens * 8, touched_total, 256, 8, EXPERT_TOKENS_CV)
+    touched, copies = busiest_gpu(tokens, 8, touched_total, 256, 8, EXPERT_TOKENS_CV)
     simulated_touched, simulated_copies = monte_carlo_busiest(tokens, 256, 8, 8, EXPERT_TOKENS_CV)
     assert copies == pytest.approx(simulated_copies, rel=0.2)
     if tokens < 512:  # (at 512 the mean's expected touched experts, uniform, exceed the skewed draw's)
@@ -63,25 +63,47 @@ def test_the_busiest_gpu_agrees_with_a_monte_carlo_of_deepseeks_routing_over_ep8
 
 def test_the_busiest_share_grows_with_gpus_and_spread_and_falls_with_batch():
     def share(tokens, gpus, cv=EXPERT_TOKENS_CV):
-        return busiest_gpu(tokens * 8, 256, 256, gpus, cv)[1] / (tokens * 8 / gpus)
+        return busiest_gpu(tokens, 8, 256, 256, gpus, cv)[1] / (tokens * 8 / gpus)
     assert share(4096, 4) < share(4096, 8) < share(4096, 32)
     assert share(4096, 8, 0.5) < share(4096, 8)
     assert share(64, 8) > share(4096, 8) > share(65536, 8) > 1.0
-    assert busiest_gpu(800, 100, 256, 8, 0.0) == (100 / 8, 800 / 8)  # cv 0: every GPU the mean
-    assert busiest_gpu(800, 100, 256, 1, EXPERT_TOKENS_CV) == (100, 800)  # one GPU holds them all
+    assert busiest_gpu(100, 8, 100, 256, 8, 0.0) == (100 / 8, 800 / 8)  # cv 0: every GPU the mean
+    assert busiest_gpu(100, 8, 100, 256, 1, EXPERT_TOKENS_CV) == (100, 800)  # one GPU holds them all
+
+
+def test_the_busiest_gpu_stays_within_what_its_experts_and_the_tokens_allow():
+    """At most ceil(E / EP) experts (a GPU may hold one more than the mean), at most as many
+    copies as its touched experts times the tokens (a token picks an expert once), never below
+    the mean, and bounded at the largest spread allowed."""
+    from sim.latency.expert_load import MAX_EXPERT_TOKENS_CV
+    touched, copies = busiest_gpu(1, 8, 8, 256, 8, EXPERT_TOKENS_CV)
+    assert copies == touched < 3  # one token: one copy per touched expert
+    touched, copies = busiest_gpu(4096, 1, 16, 16, 3, EXPERT_TOKENS_CV)  # Scout's 16 experts on 3 GPUs
+    assert touched == 6 and 4096 / 3 < copies <= 6 * 4096
+    for cv in (0.01, 1.0, MAX_EXPERT_TOKENS_CV):
+        for tokens in (1, 64, 8192):
+            touched, copies = busiest_gpu(tokens, 8, 256 * (1 - (1 - 8 / 256) ** tokens), 256, 8, cv)
+            assert tokens * 8 / 8 <= copies <= tokens * 8 and copies <= touched * tokens
+    assert busiest_over_mean(MAX_EXPERT_TOKENS_CV, 8) < 8  # the grid still holds the tail
 
 
 def test_a_run_says_the_busiest_gpus_share_and_that_the_spread_does_nothing_without_ep(tmp_path):
-    """The command line: an expert-parallel run notes the busiest GPU's share of the routed
-    tokens; a spread set where no GPU holds whole experts is a warning; a negative one an error."""
+    """The command line: an expert-parallel run notes what its busiest GPU does beyond the mean,
+    with the spread given (0: the mean); a spread set where no GPU holds whole experts is an
+    unread key, and one outside 0-10 an error, each one line."""
     from tests.test_cli import assert_one_line_error, sim
     small = ["scenario=bench", "scenario.num_prompts=4", "scenario.input_len=64", "scenario.output_len=4",
              "model=deepseek_v3", "gpu=h200", "tensor_parallel_size=8", "allocators=[paged]", "plots=false"]
     ep = sim(tmp_path, "run", *small, "enable_expert_parallel=true", "hydra.run.dir=ep")
     assert ep.returncode == 0
-    assert "note: expert parallelism over 8 GPUs: each MoE layer waits for its busiest GPU, which gets 1.35x" \
-        in ep.stderr
-    flat = sim(tmp_path, "run", *small, "expert_tokens_cv=0", "hydra.run.dir=flat")
+    assert ("note: expert parallelism over 8 GPUs: each MoE layer waits for its busiest GPU, which touches "
+            "2.40 experts where the mean is 1.00 at 1 token a step, and gets 1.35x the mean routed tokens at 8,192 "
+            "(expert_tokens_cv=1.282") in ep.stderr
+    flat = sim(tmp_path, "run", *small, "enable_expert_parallel=true", "expert_tokens_cv=0", "hydra.run.dir=flat")
     assert flat.returncode == 0
-    assert "warning: expert_tokens_cv=0 has no effect without expert parallelism" in flat.stderr
-    assert_one_line_error(sim(tmp_path, "run", *small, "expert_tokens_cv=-0.5"), "expert_tokens_cv=-0.5 is negative")
+    assert "touches 1.00 experts where the mean is 1.00 at 1 token a step, and gets 1.00x" in flat.stderr
+    assert_one_line_error(sim(tmp_path, "run", *small, "expert_tokens_cv=0.5"),
+                          "expert_tokens_cv is not read: enable_expert_parallel is false")
+    for value in ("-0.5", "inf", "nan"):
+        assert_one_line_error(sim(tmp_path, "run", *small, "enable_expert_parallel=true", f"expert_tokens_cv={value}"),
+                              "is outside 0-10")

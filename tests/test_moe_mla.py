@@ -100,7 +100,7 @@ def test_an_expert_parallel_layer_waits_for_its_busiest_gpu():
     even_tp, even_ep = moe_layers(65536, profile)
     tp, ep = moe_layers(65536, profile, EXPERT_TOKENS_CV)
     assert tp.time(65536) == even_tp.time(65536)
-    _, busiest = busiest_gpu(65536 * 8, 256, 256, 8, EXPERT_TOKENS_CV)
+    _, busiest = busiest_gpu(65536, 8, 256, 256, 8, EXPERT_TOKENS_CV)
     assert 1.3 < busiest / (65536 * 8 / 8) < 1.4
     grouped, even = ep._parts(65536, None)[1], even_ep._parts(65536, None)[1]  # the routed experts' GEMMs
     assert grouped == pytest.approx(even * busiest / 65536, rel=0.01)

@@ -63,10 +63,10 @@ class MoeLayer:
         """(experts touched, token copies) on the GPU with the most when all ranks send `every`
         tokens: without EP each GPU holds a slice of every touched expert and runs every copy."""
         m = self.model
-        touched, copies = self.touched_experts(every), every * m.num_active_experts
+        touched = self.touched_experts(every)
         if self.ep == 1:
-            return touched, copies
-        return busiest_gpu(copies, touched, m.num_experts, self.ep, self.expert_tokens_cv)
+            return touched, every * m.num_active_experts
+        return busiest_gpu(every, m.num_active_experts, touched, m.num_experts, self.ep, self.expert_tokens_cv)
 
     def _all_ranks(self, tokens: float, every: float | None) -> float:
         """The tokens all attention ranks send a MoE layer (by default `tokens` on each rank)."""

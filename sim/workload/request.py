@@ -31,17 +31,18 @@ class PrefixTree:
     them without a copy): each one's parent (the prefix before its last segment), that
     segment's content id, the prefix's tokens and its segments. A request's segments can be
     read back from its whole prompt's id alone (sim.engine.compiled.rows reads a run's keys so),
-    and the requests made with the interner (make_request) are recorded by id with their whole
-    prompt's id and output content id, so that the reader need not touch each request's tuples.
+    and the requests made with the interner (make_request) are kept, in the order made, with
+    their whole prompts' ids and output content ids: a reader that finds a workload's requests
+    to be these very objects (frozen) reads those columns instead of each request's tuples.
     An array('q') cannot grow while a numpy view of it lives (BufferError): readers copy the
     columns (rows.PrefixTable.of). Compared and hashed by identity."""
     parents: array = field(default_factory=lambda: array("q", [0]))
     contents: array = field(default_factory=lambda: array("q", [0]))
     tokens: array = field(default_factory=lambda: array("q", [0]))
     depths: array = field(default_factory=lambda: array("q", [0]))
-    request_ids: array = field(default_factory=lambda: array("q"))          # in the order made
-    request_prompts: array = field(default_factory=lambda: array("q"))      # whole prompt's id
-    request_output_contents: array = field(default_factory=lambda: array("q"))
+    made: list = field(default_factory=list)                                # the Request objects made
+    made_prompts: array = field(default_factory=lambda: array("q"))         # their whole prompts' ids
+    made_output_contents: array = field(default_factory=lambda: array("q"))  # their output content ids
 
 
 class PrefixInterner:
@@ -133,13 +134,14 @@ def make_request(interner: PrefixInterner, request_id: int, segments, output_len
         prefix_ids.append(prefix)
     if position + output_len >= 1 << KEY_FIELD_BITS:
         raise ValueError(f"request of {position + output_len} tokens: offsets outside the packed key's 32 bits")
+    request = Request(request_id=request_id, prompt_len=position, output_len=output_len,
+                      segments=tuple(segments), prefix_ids=tuple(prefix_ids),
+                      segment_starts=tuple(starts), output_content_id=output_content_id, **extra)
     tree = interner.tree
-    tree.request_ids.append(request_id)
-    tree.request_prompts.append(prefix)
-    tree.request_output_contents.append(output_content_id)
-    return Request(request_id=request_id, prompt_len=position, output_len=output_len,
-                   segments=tuple(segments), prefix_ids=tuple(prefix_ids),
-                   segment_starts=tuple(starts), output_content_id=output_content_id, **extra)
+    tree.made.append(request)
+    tree.made_prompts.append(prefix)
+    tree.made_output_contents.append(output_content_id)
+    return request
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 
@@ -73,36 +73,50 @@ def _read(sessions, with_keys: bool, tree) -> RequestRows:
         return np.fromiter(map(attrgetter(name), requests), dtype=dtype, count=len(requests))
 
     prompt, next_turn = column("prompt_len"), np.array(next_turn, dtype=np.int64)
-    request_id = column("request_id")
     keys = None
     if with_keys:
-        keys = _read_keys(requests, next_turn, prompt, request_id, tree)
+        keys = _read_keys(requests, next_turn, tree)
     return RequestRows(prompt, column("output_len"), next_turn, column("think_time_s", np.float64),
-                       request_id, column("session_id"), column("turn"),
+                       column("request_id"), column("session_id"), column("turn"),
                        np.array(starts, dtype=np.int64), np.array(arrivals, dtype=np.float64), keys)
 
 
-def _read_keys(requests, next_turn: np.ndarray, prompt: np.ndarray, request_id: np.ndarray,
-               tree) -> PromptKeys:
+def _read_keys(requests, next_turn: np.ndarray, tree) -> PromptKeys:
     """The requests' keys. A turn whose prompt is the start of its next turn's prompt reads its
     segment rows from that turn's (equal prefix ids are equal segment chains, PrefixInterner), so
     a session's rows are read once: a conversation's turns repeat every segment before (at
-    rag_agents_100k 320,016 rows for 1,194,150 prompt segments). With the interner that made the
-    requests (Workload.prefix_tree), each request's whole prompt id and output content come from
-    its record by request id and its segments from the tree (_keys_from_table); without it, or
-    with a tree that is not the requests' own (PrefixTable.made), from each request's tuples
-    (_keys_from_tuples, Python work per segment: at rag_agents_100k the keys take 0.19 s so,
-    0.08 s from the tree reading each request's whole prompt id, 0.03 s from its records)."""
-    table = None if tree is None else PrefixTable.of(tree)
-    made = None if table is None else table.requests(request_id)
-    if made is not None and table.made(requests, *made, prompt):
-        whole, output_content = made
+    rag_agents_100k 320,016 rows for 1,194,150 prompt segments). When the requests are the very
+    objects the workload's interner made (Workload.prefix_tree; requests are frozen), each one's
+    whole prompt id and output content id are read from the tree's columns and its segments from
+    the tree (_keys_from_table); else (no tree, another interner's, a request rebuilt since) from
+    each request's tuples (_keys_from_tuples, Python work per segment: at rag_agents_100k the
+    keys take 0.19 s so, 0.08 s from the tree reading each request's whole prompt id, 0.02 s
+    from the tree's columns)."""
+    made = None if tree is None else _made_rows(tree, requests)
+    if made is not None:
+        table = PrefixTable.of(tree)
+        whole, output_content = table.made_prompts[made], table.made_output_contents[made]
         return _keys_from_table(table, whole, table.depths[whole], next_turn, output_content)
     output_content = np.fromiter(map(attrgetter("output_content_id"), requests), dtype=np.int64,
                                  count=len(requests))
     prefix_lists = list(map(attrgetter("prefix_ids"), requests))
     counts = np.fromiter(map(len, prefix_lists), dtype=np.int64, count=len(requests)) - 1
     return _keys_from_tuples(requests, prefix_lists, counts, next_turn, output_content)
+
+
+ALL_IN_ORDER = slice(None)  # _made_rows: the requests are those made, in the order made
+
+
+def _made_rows(tree, requests: list):
+    """Each request's row among the requests the tree's interner made (ALL_IN_ORDER when they
+    are those, in that order), or None if one of them was not made by it (compared by identity:
+    the tree holds the objects it made, so no other live object shares one's id)."""
+    made = tree.made
+    if len(made) == len(requests) and all(map(is_, requests, made)):
+        return ALL_IN_ORDER
+    row_of = {id(request): row for row, request in enumerate(made)}
+    rows = [row_of.get(id(request), -1) for request in requests]
+    return None if -1 in rows else np.array(rows, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -112,58 +126,14 @@ class PrefixTable:
     contents: np.ndarray  # the last segment's content id
     tokens: np.ndarray    # the prefix's tokens
     depths: np.ndarray    # the prefix's segments
-
-    request_ids: np.ndarray       # the requests the interner made, in the order made
-    request_prompts: np.ndarray   # their whole prompts' ids
-    request_output_contents: np.ndarray
+    made_prompts: np.ndarray          # the requests the interner made: their whole prompts' ids
+    made_output_contents: np.ndarray  # and output content ids
 
     @classmethod
     def of(cls, tree) -> PrefixTable:
         return cls(*(np.frombuffer(column, dtype=np.int64).copy() for column in
-                     (tree.parents, tree.contents, tree.tokens, tree.depths, tree.request_ids,
-                      tree.request_prompts, tree.request_output_contents)))
-
-    def requests(self, request_id: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The recorded whole prompt ids and output content ids of the requests of these ids;
-        None where an id was not recorded, or recorded twice (no record then says which)."""
-        ids = self.request_ids
-        if len(ids) == len(request_id) and np.array_equal(ids, request_id):
-            return self.request_prompts, self.request_output_contents  # read in the order made
-        order = np.argsort(ids, kind="stable")
-        ranked = ids[order]
-        if len(ranked) > 1 and (ranked[1:] == ranked[:-1]).any():
-            return None
-        at = np.minimum(np.searchsorted(ranked, request_id), max(len(ranked) - 1, 0))
-        if not len(ranked) or not (ranked[at] == request_id).all():
-            return None
-        rows = order[at]
-        return self.request_prompts[rows], self.request_output_contents[rows]
-
-    def made(self, requests, whole: np.ndarray, output_content: np.ndarray, prompt: np.ndarray,
-             samples: int = 256) -> bool:
-        """Whether the tree is the requests' own: each request's recorded whole-prompt id is one
-        of its ids, of the request's tokens, and up to `samples` requests spread over the run
-        read back from it as they are (their whole prompt ids and output content ids, every
-        segment's prefix id, content id and start). A tree that is not theirs, or that some of
-        them were rebuilt past, is found in all but contrived cases."""
-        if len(whole) and not 0 <= whole.min() <= whole.max() < len(self.depths):
-            return False
-        if not (self.tokens[whole] == prompt).all():
-            return False
-        for i in np.unique(np.linspace(0, len(requests) - 1, min(samples, len(requests))).astype(np.int64)).tolist():
-            request, node, segments = requests[i], int(whole[i]), []
-            if node != request.prefix_ids[-1] or output_content[i] != request.output_content_id:
-                return False
-            while node:
-                parent = int(self.parents[node])
-                segments.append((parent, int(self.contents[node]), int(self.tokens[parent])))
-                node = parent
-            segments.reverse()
-            expected = list(zip(request.prefix_ids[:-1], (content for content, _ in request.segments),
-                                request.segment_starts))
-            if segments != expected:
-                return False
-        return True
+                     (tree.parents, tree.contents, tree.tokens, tree.depths, tree.made_prompts,
+                      tree.made_output_contents)))
 
     def ancestors(self, ids: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """Each id's prefix of depths[i] segments (the id itself where it has no more)."""
