@@ -255,7 +255,7 @@ class EngineSpec:
     data_parallel_size: int = 1          # attention ranks per replica (each a TP group), experts over all
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
-    expert_tokens_cv: float = EXPERT_TOKENS_CV  # spread of the routed tokens over experts (EP: the busiest GPU sets the pace)
+    expert_tokens_cv: float = EXPERT_TOKENS_CV  # the experts' shares' spread (EP: the busiest GPU sets the pace)
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
     async_scheduling: bool = False        # the host's whole step overlaps the GPU's (vLLM's --async-scheduling)
     router_staleness_s: float = 0.0      # the router's loads are at most this old (0: live)

@@ -12,8 +12,8 @@ same mean and variance), so the busiest of EP GPUs holds the mean times E[max of
 touches (those with at least one token; what a small batch's step reads) are a sum of n
 Bernoulli trials (over ceil(E / EP) experts: a GPU may hold one more than the mean): the
 busiest holds the mean plus E[max of EP standard normals] standard deviations, at most its
-experts and its token copies; no expert gets more copies than the step has tokens, so the busiest GPU's copies
-are at most its touched experts times the tokens.
+experts and its token copies. No expert gets more copies than the step has tokens, so the
+busiest GPU's copies are at most its touched experts times the tokens.
 
 Checked against the source of the default (tests/test_expert_load.py): with TensorRT-LLM's
 per-expert CV of 1.28 at 128 tokens per expert, the model gives the busiest of 32 GPUs holding
@@ -73,7 +73,8 @@ def busiest_gpu(tokens: float, top_k: int, touched: float, num_experts: int, num
     gpu_cv = math.sqrt((cv * cv + num_experts / copies) / per_gpu)
     held, share = math.ceil(per_gpu - 1e-9), touched / num_experts  # the most experts a GPU holds
     spread = math.sqrt(held * share * (1.0 - share))
-    busiest_touched = max(touched / num_gpus, min(held, held * share + expected_largest_normal(num_gpus) * spread))
+    busiest_touched = max(touched / num_gpus,
+                          min(held, held * share + expected_largest_normal(num_gpus) * spread))
     busiest_copies = copies / num_gpus * busiest_over_mean(gpu_cv, num_gpus)
     busiest_copies = max(copies / num_gpus, min(busiest_copies, busiest_touched * tokens, copies))
     return min(busiest_touched, busiest_copies), busiest_copies
