@@ -104,7 +104,7 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
 
     interner = PrefixInterner()
     shared = [(1, 3000), (2, 500)]                       # a 3000-token document, then a question
-    long = make_request(interner, 0, [*shared, (3, 1000)], 10, 90, session_id=0)
+    long = make_request(interner, 0, [*shared, (3, 1000)], 10, 90, session_id=0, priority=2)
     twin = make_request(interner, 1, [*shared, (4, 1000)], 10, 91, session_id=1)
     short = make_request(interner, 2, [(1, 3000), (5, 40)], 10, 92, session_id=2)
     other = make_request(interner, 3, [(1, 3000), (6, 40)], 10, 93, session_id=3)
@@ -121,6 +121,8 @@ def test_truncation_keeps_the_last_tokens_and_gives_the_cut_segment_new_identity
     assert long2.prefix_key(100) != short2.prefix_key(100)
     # ... while untruncated prompts keep their segments and still share their common prefix.
     assert short2.segments == short.segments and other2.segments == other.segments
+    # Every other field of a request stays as it was (queue_order=priority reads priority).
+    assert (long2.priority, short2.priority, long2.session_id, long2.output_len) == (2, 0, 0, 10)
     assert short2.prefix_key(3000) == other2.prefix_key(3000) != short2.prefix_key(3001)
     untouched = Workload((Session(2, 0.0, (short,)),))
     assert truncate_overlength(untouched, 4096) is untouched

@@ -46,7 +46,7 @@ def truncate_overlength(workload: Workload, max_model_len: int) -> Workload:
                 num_truncated += 1
             rebuilt = make_request(interner, t.request_id, segments, t.output_len,
                                    t.output_content_id, session_id=t.session_id, turn=t.turn,
-                                   think_time_s=t.think_time_s, n=t.n, chain=t.chain)
+                                   think_time_s=t.think_time_s, n=t.n, chain=t.chain, priority=t.priority)
             turns.append(rebuilt)
         sessions.append(replace(session, turns=tuple(turns)))
     return replace(workload, sessions=tuple(sessions), num_truncated_prompts=num_truncated, prefix_tree=interner.tree)
