@@ -48,6 +48,7 @@ def _largest_of_normals(count: int) -> np.ndarray:
     return density / density.sum()
 
 
+@lru_cache(maxsize=None)
 def expected_largest_normal(count: int) -> float:
     """E[max of `count` independent standard normals] (0 for one)."""
     return 0.0 if count <= 1 else float(_largest_of_normals(count) @ _GRID)

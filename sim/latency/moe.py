@@ -44,6 +44,7 @@ class MoeLayer:
                  data_parallel_size: int = 1, expert_tokens_cv: float = EXPERT_TOKENS_CV):
         self.model, self.gemm, self.dtype, self.memory_time = model, gemm, weight_dtype, memory_time
         self.expert_tokens_cv = expert_tokens_cv  # the experts' routed tokens' spread (EP: the busiest GPU)
+        self._busiest: dict[float, tuple[float, float]] = {}  # busiest_gpu by tokens (the layer and its all-to-all)
         self.ranks = data_parallel_size  # attention ranks whose tokens meet in every MoE layer
         self.ep = tp * data_parallel_size if expert_parallel else 1  # GPUs the experts are spread over, whole
         up = 2 if model.gated_mlp else 1
@@ -62,11 +63,14 @@ class MoeLayer:
     def busiest_gpu(self, every: float) -> tuple[float, float]:
         """(experts touched, token copies) on the GPU with the most when all ranks send `every`
         tokens: without EP each GPU holds a slice of every touched expert and runs every copy."""
-        m = self.model
-        touched = self.touched_experts(every)
-        if self.ep == 1:
-            return touched, every * m.num_active_experts
-        return busiest_gpu(every, m.num_active_experts, touched, m.num_experts, self.ep, self.expert_tokens_cv)
+        found = self._busiest.get(every)
+        if found is None:
+            m = self.model
+            touched = self.touched_experts(every)
+            found = self._busiest[every] = (
+                (touched, every * m.num_active_experts) if self.ep == 1 else
+                busiest_gpu(every, m.num_active_experts, touched, m.num_experts, self.ep, self.expert_tokens_cv))
+        return found
 
     def _all_ranks(self, tokens: float, every: float | None) -> float:
         """The tokens all attention ranks send a MoE layer (by default `tokens` on each rank)."""
