@@ -30,8 +30,11 @@ import numpy as np
 # Sequence columns (int64).
 PROMPT, OUTPUT_LEN, FINAL_LEN, TOKENS, COMPUTED, OUTPUTS, PREEMPTIONS, REPLICA, ADMITTED, \
     SLOTS_TOKENS, BLOCKS, NEXT_TURN, STATUS, PREFIX_HIT, EXTENT, HIT_BLOCKS, KEYED, \
-    SEGMENTS, NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT = range(21)
-SEQ_INTS = 21
+    SEGMENTS, NUM_SEGMENTS, PROMPT_PREFIX, OUTPUT_CONTENT, ROOM = range(22)
+SEQ_INTS = 22
+# With prefix caching: EXTENT the extent of s's own blocks (from depth HIT_BLOCKS, room up to
+# depth ROOM), KEYED the blocks keyed (the extent's X_HIGH, X_LIVE and X_KEYED follow BLOCKS
+# and KEYED only when s frees it: see the pool's layout).
 PENDING, FINISHED, REJECTED = range(3)  # STATUS
 # Sequence columns (float64): ARRIVAL when the client sends it, SUBMIT when it reaches the engine
 # (serving_overhead_s later), THINK_S the think time before it once its previous turn is done.
@@ -69,8 +72,13 @@ PARAM_INTS = 20
 # the chain's offsets (one per block, block_size apart) whose keys find an extent's blocks from a
 # depth on (evicting a block takes its key out of its claim, so a claim holds live blocks only
 # and there are never more claims than blocks). An extent also lists its own claims, deepest
-# first, so that evicting its blocks finds their claims without hashing or segment search. Extents, entries and claims (chain records among
-# them) are rows taken from and returned to free lists (their last field links them). POOL_MEMO
+# first, so that evicting its blocks finds their claims without hashing or segment search.
+# While its sequence holds an extent (X_HELD), the blocks it takes touch neither the extent's
+# row nor its store lines: its depths and counts are the sequence's (BLOCKS, KEYED) until the
+# sequence frees it, and its blocks' reference counts are written when they are claimed or
+# freed (_held_once), as no other sequence can find an unclaimed block. Extents, entries and
+# claims (chain records among them) are rows taken from and returned to free lists (their last
+# field links them). POOL_MEMO
 # holds the last lookup's runs (extent, first depth, end depth; BlockAllocator.free's walk
 # writes there too, never between a lookup and its admission); POOL_SEGMENTS the requests'
 # prompt segments as rows (start, content id, the prefix id before it).
@@ -717,9 +725,10 @@ def _evict(pi, store, extents, claims, chain_table, rep, r, e, low, high):
 
 
 @jit
-def _take(pi, store, extents, entries, claims, chain_table, rep, r, e, count):
+def _take(pi, store, extents, entries, claims, chain_table, rep, r, count):
     """BlockPool.take in LRU's free order (each entry's blocks deepest first): count blocks,
-    their keys dropped, become extent e's next blocks."""
+    their keys dropped, leave the free queue to become a held extent's next blocks (that
+    extent's row and store lines are left alone: _held_once, _free)."""
     rep[r, FREE_BLOCKS] -= count
     taken = 0
     while taken < count:
@@ -732,11 +741,15 @@ def _take(pi, store, extents, entries, claims, chain_table, rep, r, e, count):
         if high - m == low:
             _unlink_entry(entries, rep, r, q)
         taken += m
-    first = extents[r, e, X_HIGH]
+
+
+@inline
+def _held_once(store, extents, r, e, low, high):
+    """Extent e's blocks [low, high), its sequence's own, are each held once: written when they
+    are claimed or freed, not when taken, so that a block taken in decode (most of the
+    1.9 million taken at rag_agents_100k) costs no cache miss on its extent's store line."""
     shift = extents[r, e, X_BASE] - extents[r, e, X_STORE_LOW]
-    store[r, REF, first + shift:first + count + shift] = 1
-    extents[r, e, X_HIGH] = first + count
-    extents[r, e, X_LIVE] += count
+    store[r, REF, low + shift:high + shift] = 1
 
 
 @jit
@@ -768,29 +781,34 @@ def _release(store, extents, entries, rep, r, e, low, high):
 
 
 @inline
-def _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end):
+def _key_full_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, end):
     """BlockAllocator.key_full_blocks: the blocks tokens up to `end` filled get their keys (a
     key another block holds already stays with that block). The keys of a first admission's
     output blocks are claimed when it releases them: until then no other sequence can look
     them up (every workload builder in sim.workload gives each request its own output
     content id, and its next turn arrives after it finishes), and none can claim them first
-    (an admission after a preemption claims them as they fill)."""
+    (an admission after a preemption claims them as they fill). So the extent's claimed depth
+    (X_CLAIMED) is s's keyed one, or the prompt's full blocks if fewer on a first admission,
+    and an output block filled in decode is keyed without reading the extent's row."""
     first, last = seqs[s, KEYED], end // pi[P_BLOCK_SIZE]
     if last <= first:
         return
-    seqs[s, KEYED] = extents[r, seqs[s, EXTENT], X_KEYED] = last
+    seqs[s, KEYED] = last
     if not seqs[s, PREEMPTIONS]:
-        last = min(last, seqs[s, PROMPT] // pi[P_BLOCK_SIZE])
-    if last > extents[r, seqs[s, EXTENT], X_CLAIMED]:
-        _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, last)
+        prompt_blocks = seqs[s, PROMPT] // pi[P_BLOCK_SIZE]
+        if first >= prompt_blocks:  # an output block: claimed when s frees it
+            return
+        last = min(last, prompt_blocks)
+    _claim_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, last)
 
 
 @jit
-def _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, last):
+def _claim_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, last):
     """The keys of s's blocks from its extent's first unclaimed one up to depth last go in the
-    table."""
+    table (their counts written first: _held_once)."""
     e = seqs[s, EXTENT]
     rep[r, KEYINGS] += 1
+    _held_once(store, extents, r, e, extents[r, e, X_CLAIMED], last)
     _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, extents[r, e, X_CLAIMED], last)
     extents[r, e, X_CLAIMED] = last
 
@@ -826,32 +844,32 @@ def _fill_slack(rep, r, seqs, s, num_new):
 
 
 @inline
-def _grows_past_store(extents, rep, r, seqs, s, needed):
-    """Whether s's extent has no room for needed more blocks (its room is its final length's
-    blocks, so never: a check that keeps a mistake from writing over another extent)."""
-    e = seqs[s, EXTENT]
-    if extents[r, e, X_HIGH] + needed <= extents[r, e, X_STORE_LOW] + extents[r, e, X_CAPACITY]:
+def _grows_past_store(rep, r, seqs, s, needed):
+    """Whether s's extent has no room for needed more blocks (its room, up to depth
+    seqs[s, ROOM], is its final length's blocks, so never: a check that keeps a mistake from
+    writing over another extent)."""
+    if seqs[s, BLOCKS] + needed <= seqs[s, ROOM]:
         return False
     rep[r, POOL_FAULT] = 1
     return True
 
 
 @inline
-def _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, e, needed):
-    """needed free blocks become extent e's (BlockPool.take); without prefix caching they only
-    leave the free count (e is then never read)."""
+def _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, needed):
+    """needed free blocks are taken (BlockPool.take); without prefix caching they only leave
+    the free count."""
     if pi[P_CACHING]:
-        _take(pi, store, extents, entries, claims, chain_table, rep, r, e, needed)
+        _take(pi, store, extents, entries, claims, chain_table, rep, r, needed)
     else:
         rep[r, FREE_BLOCKS] -= needed
 
 
 @inline
-def _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end):
+def _holds(pi, rep, r, seqs, s, segments, store, extents, claims, chain_table, end):
     """s holds its blocks for tokens up to `end`: its slack counted, the blocks filled keyed."""
     _count_slack(rep, r, seqs, s, pi[P_BLOCK_SIZE], 1)
     if pi[P_CACHING]:
-        _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+        _key_full_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, end)
 
 
 @inline
@@ -903,12 +921,12 @@ def _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revive
         if e < 0:
             rep[r, POOL_FAULT] = 1
             return False
-        seqs[s, EXTENT], seqs[s, HIT_BLOCKS] = e, num_hit
+        seqs[s, EXTENT], seqs[s, HIT_BLOCKS], seqs[s, ROOM] = e, num_hit, num_hit + max(room, needed)
         _touch(store, extents, entries, memo, rep, r)
-    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
+    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, needed)
     seqs[s, BLOCKS], seqs[s, SLOTS_TOKENS] = num_hit + needed, end
     seqs[s, KEYED] = num_hit
-    _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end)
+    _holds(pi, rep, r, seqs, s, segments, store, extents, claims, chain_table, end)
     return True
 
 
@@ -924,18 +942,18 @@ def _grow(pi, rep, r, seqs, s, num_new, segments, store, extents, entries, claim
     if end <= seqs[s, BLOCKS] * size:  # the tokens land in the last block's slack
         _fill_slack(rep, r, seqs, s, num_new)
         if caching and _fills_a_block(pi, seqs, s, end):
-            _key_full_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, end)
+            _key_full_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, end)
         return True
     needed = -(-end // size) - seqs[s, BLOCKS]
     if needed > rep[r, FREE_BLOCKS]:
         return False
-    if caching and _grows_past_store(extents, rep, r, seqs, s, needed):
+    if caching and _grows_past_store(rep, r, seqs, s, needed):
         return False
     _count_slack(rep, r, seqs, s, size, -1)
-    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, seqs[s, EXTENT], needed)
+    _take_or_count(pi, store, extents, entries, claims, chain_table, rep, r, needed)
     seqs[s, BLOCKS] += needed
     seqs[s, SLOTS_TOKENS] = end
-    _holds(pi, rep, r, seqs, s, segments, extents, claims, chain_table, end)
+    _holds(pi, rep, r, seqs, s, segments, store, extents, claims, chain_table, end)
     return True
 
 
@@ -947,9 +965,12 @@ def _free(pi, rep, r, seqs, s, segments, store, extents, entries, claims, chain_
     if pi[P_NO_EVICT]:
         rep[r, RESERVED_BLOCKS] -= _blocks_to_completion(pi, seqs, s)
     if pi[P_CACHING]:
-        e = seqs[s, EXTENT]
+        e = seqs[s, EXTENT]  # its row's depths and counts, from s's (see the pool's layout)
+        extents[r, e, X_KEYED], extents[r, e, X_HIGH] = seqs[s, KEYED], seqs[s, BLOCKS]
+        extents[r, e, X_LIVE] = seqs[s, BLOCKS] - seqs[s, HIT_BLOCKS]
         if extents[r, e, X_CLAIMED] < extents[r, e, X_KEYED]:
-            _claim_blocks(pi, rep, r, seqs, segments, extents, claims, chain_table, s, extents[r, e, X_KEYED])
+            _claim_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_table, s, extents[r, e, X_KEYED])
+        _held_once(store, extents, r, e, extents[r, e, X_CLAIMED], extents[r, e, X_HIGH])
         _release(store, extents, entries, rep, r, e, seqs[s, HIT_BLOCKS], extents[r, e, X_HIGH])
         runs, _ = _walk(pi, seqs, segments, claims, chain_table, memo, rep, r, s, seqs[s, HIT_BLOCKS])
         for k in range(runs - 1, -1, -1):
