@@ -44,12 +44,12 @@ SEQ_FLOATS = 6
 NUM_RUNNING, WAIT_HEAD, NUM_WAITING, FREE_BLOCKS, TOTAL_RESERVED, TOTAL_INTERNAL, STEPPING, \
     PLAN_LEN, PLAN_PREEMPTED, PLAN_TOKENS, WOKEN, CACHED_FREE, QUEUE_HEAD, QUEUE_TAIL, FREE_ENTRIES, \
     UNUSED_ENTRIES, FREE_EXTENTS, UNUSED_EXTENTS, FREE_CLAIMS, UNUSED_CLAIMS, STORE_TOP, HELD_ROOM, \
-    ORDER_LEN, MEMO_RUNS, POOL_FAULT, CHAIN_MASK, NUM_CHAINS, RESERVED_BLOCKS, KEYINGS, BLOCKED_HEAD, \
-    BLOCKED_HIT, BLOCKED_KEYINGS = range(32)
+    ORDER_LEN, MEMO_RUNS, POOL_FAULT, CHAIN_MASK, NUM_CHAINS, RESERVED_BLOCKS, BLOCKED_CLAIMED, \
+    BLOCKED_HEAD, BLOCKED_HIT, BLOCKED_CHAIN = range(32)
 REPLICA_INTS = 32
-# KEYINGS counts the calls that may add keys to a replica's prefix cache (_claim_blocks); a
-# waiting head whose admission failed for memory is remembered (BLOCKED_HEAD, -1: none) with
-# its prefix hit and that count then (see _still_blocked).
+# A waiting head whose admission failed for memory is remembered (BLOCKED_HEAD, -1: none) with
+# its prefix hit, the chain of its first block not found (BLOCKED_CHAIN) and whether a key of
+# that chain was claimed since (BLOCKED_CLAIMED; see _still_blocked).
 # Replica columns (float64).
 STEP_END, WAKE = range(2)
 # Parameters (int64).
@@ -437,6 +437,8 @@ def _claim(pi, claims, extents, chain_table, rep, r, e, chain, low, high, depth)
     duplicates, keyed but never found). e's claims come deepest first, so the one that may grow
     (ending at the offset, on this chain) is its newest."""
     size = pi[P_BLOCK_SIZE]
+    if np.int64(chain) == rep[r, BLOCKED_CHAIN]:  # (see _still_blocked)
+        rep[r, BLOCKED_CLAIMED] = 1
     h = _find_chain(chain_table, rep, r, chain)
     if h < 0:
         h = _add_chain(chain_table, claims, rep, r, chain)
@@ -807,7 +809,6 @@ def _claim_blocks(pi, rep, r, seqs, segments, store, extents, claims, chain_tabl
     """The keys of s's blocks from its extent's first unclaimed one up to depth last go in the
     table (their counts written first: _held_once)."""
     e = seqs[s, EXTENT]
-    rep[r, KEYINGS] += 1
     _held_once(store, extents, r, e, extents[r, e, X_CLAIMED], last)
     _key_range(pi, seqs, segments, extents, claims, chain_table, rep, r, e, s, extents[r, e, X_CLAIMED], last)
     extents[r, e, X_CLAIMED] = last
@@ -887,16 +888,18 @@ def _blocks_required(pi, num_hit, num_new, full_tokens, watermark):
 @inline
 def _still_blocked(pi, rep, r, seqs, s, budget, full_tokens, watermark):
     """Whether waiting head s surely fails admission again, without a lookup: its last
-    admission failed for memory after a hit of h blocks and no key was added to the cache since
-    (KEYINGS unchanged), so that evictions alone made its hit h' <= h now (the blocks found are
-    the longest run of its keys cached); the blocks required after a hit are non-increasing in
-    it (for a fixed budget, chunked or not: a hit beyond the budget's blocks only shortens the
+    admission failed for memory after a hit of h blocks and no key of the chain of its block at
+    depth h was claimed since (BLOCKED_CLAIMED unset), so that its hit h' <= h now (the blocks
+    found are the longest run of its keys cached: a longer run needs block h's key, and only a
+    claim on its chain caches it); the blocks required after a hit are non-increasing in it
+    (for a fixed budget, chunked or not: a hit beyond the budget's blocks only shortens the
     prompt's tail), and a lookup's revived blocks only lower the free ones, so h's requirement
-    above the free blocks means h' fails too. At rag_agents_100k 151,280 of 382,817 lookups.
-    (Requiring no keying is needed: a running sequence's chunk that fills a block it took with
-    its previous chunk keys one block more than it takes, and can lift a head sharing that
-    prefix over the line; 400 random shared-prefix workloads never met that case.)"""
-    if s != rep[r, BLOCKED_HEAD] or rep[r, KEYINGS] != rep[r, BLOCKED_KEYINGS]:
+    above the free blocks means h' fails too. At rag_agents_100k 217,741 of 382,817 lookups
+    (151,280 when any claim on the replica lifted it). (Such a claim does lift it: a running
+    sequence's chunk that fills a block it took with its previous chunk keys one block more
+    than it takes, and can lift a head sharing that prefix over the line; 400 random
+    shared-prefix workloads never met that case.)"""
+    if s != rep[r, BLOCKED_HEAD] or rep[r, BLOCKED_CLAIMED]:
         return False
     hit = rep[r, BLOCKED_HIT]
     num_new = min(seqs[s, TOKENS] - hit * pi[P_BLOCK_SIZE], budget)
@@ -1068,7 +1071,9 @@ def _schedule(pi, pf, rep, r, seqs, running, waiting, plan, pool):
                 break  # guaranteed_no_evict: until a sequence finishes
             if not _admit(pi, rep, r, seqs, s, num_new, full_tokens, watermark, num_hit, revived,
                           segments, store, extents, entries, claims, chain_table, order, memo):
-                rep[r, BLOCKED_HEAD], rep[r, BLOCKED_HIT], rep[r, BLOCKED_KEYINGS] = s, num_hit, rep[r, KEYINGS]
+                rep[r, BLOCKED_HEAD], rep[r, BLOCKED_HIT], rep[r, BLOCKED_CLAIMED] = s, num_hit, 0
+                if pi[P_CACHING]:
+                    rep[r, BLOCKED_CHAIN] = np.int64(_chain_span(pi, seqs, segments, s, num_hit, -1)[0])
                 break
             rep[r, BLOCKED_HEAD] = -1
             if pi[P_NO_EVICT]:
