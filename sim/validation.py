@@ -39,7 +39,8 @@ COLUMNS = ("id", "engine", "num_gpus", "gpu", "model", "quantization", "kv_cache
            "async_output_processing", "async_scheduling", "speculative_method", "num_speculative_tokens",
            "acceptance_length",
            "dataset", "input_len", "output_len", "num_prompts", "max_concurrency",
-           "request_rate", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "metric",
+           "request_rate", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+           "gpu_memory_utilization", "metric",
            "set_by_load", "value", "unit", "run",
            "not_run_reason", "caveat", "known_gap", "source_url")
 # metric -> (vllm_bench key, divide by the GPU count)
@@ -99,6 +100,8 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
                  f"speculative_config.acceptance_length={row['acceptance_length']}"]
     if row["max_num_batched_tokens"]:  # the source's token budget per step (per rank)
         keys.append(f"max_num_batched_tokens={row['max_num_batched_tokens']}")
+    if row["enable_chunked_prefill"] == "false":  # trtllm-bench's default: a prompt's prefill in one step
+        keys.append("enable_chunked_prefill=false")
     if row["engine"] == "TensorRT-LLM":  # its default capacity policy (SchedulerConfig): never preempts
         keys.append("capacity_scheduler_policy=guaranteed_no_evict")
     if row["harness"] == "in-process":  # trtllm-bench, gptSessionBenchmark, vLLM's offline benchmarks

@@ -1,5 +1,6 @@
 """`python -m sim validate`: published rows replayed, compared and explained (quick mode, no timing
 or accuracy assertions: those are the suite's output, reported in the README)."""
+import math
 import subprocess
 import sys
 
@@ -8,6 +9,8 @@ import pytest
 
 from sim import validation
 from sim.errors import ConfigError
+from sim.latency.profile import load_profile
+from sim.models import load_model
 
 
 def test_the_published_file_has_at_least_30_rows_each_cited_and_every_row_not_run_says_why():
@@ -88,3 +91,42 @@ def test_rows_whose_metric_the_load_sets_are_counted_apart_in_the_summary():
     assert "1 without the 1 whose metric the offered load sets while the engines keep up, R1" in summary.lines()[0]
     frame = validation.read_published(validation.DEFAULT_PATH)
     assert set(frame[frame.set_by_load == "true"].id) == {"R047", "R051", "R055"}  # MLPerf Server throughputs
+
+
+def _trtllm_bench_limits(row: dict) -> tuple[int, int]:
+    """trtllm-bench's max_batch_size and max_num_tokens when its command gives neither, as
+    TensorRT-LLM computes them (tensorrt_llm/bench/build/tuning.py: calc_engine_setting and
+    finetune_setting; tensorrt_llm/bench/benchmark/utils/general.py: get_settings, which without
+    chunked prefill raises the token budget to the longest prompt plus the batch). The KV cache is
+    the memory left after the weights, at the 0.95 fraction the source passes; the heuristic
+    counts every layer's KV heads (at least one per GPU) at one byte (FP8 KV)."""
+    model = load_model(row["model"])
+    tp, isl, osl = int(row["tensor_parallel_size"]), int(row["input_len"]), int(row["output_len"])
+    weight_bytes = {"fp8": 1.0, "nvfp4": 0.5}[row["quantization"]]
+    gib = 1024 ** 3
+    memory = load_profile(row["gpu"]).memory_bytes / gib * tp
+    kv_per_token = 2 * model.num_layers * max(tp, model.num_kv_heads) * model.head_dim * 1.0 / gib
+    requests = (memory - model.num_params * weight_bytes / gib) * 0.95 / (kv_per_token * (isl + osl))
+    batch = min(requests, 4096)
+    tokens = min(batch * (1 + isl / osl), 32768)
+    step = 32 if batch < 256 else 128 if batch < 1024 else 256
+    max_batch = max(64, step * math.ceil(batch / step)) if batch < 256 else step * math.ceil(batch / step)
+    step = 256 if tokens < 4096 else 512 if tokens < 8192 else 1024
+    max_tokens = max(2048, step * math.ceil(tokens / step)) if tokens < 4096 else step * math.ceil(tokens / step)
+    return max_batch, max(max_tokens, isl + max_batch)
+
+
+def test_tensorrt_llm_1_rows_run_the_limits_trtllm_bench_sets_itself():
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    rows = frame[frame.source_url.str.contains("00f37686")]  # perf-overview v1.0: no --max_batch_size
+    assert len(rows) == 14
+    for row in rows.to_dict("records"):
+        assert (int(row["max_num_seqs"]), int(row["max_num_batched_tokens"])) == _trtllm_bench_limits(row), row["id"]
+        keys = validation.overrides(row, native_window=131072)
+        assert f"max_num_seqs={row['max_num_seqs']}" in keys
+        chunked = "enable_chunked_prefill=false" not in keys
+        # trtllm-bench runs without chunking; kvsim chunks only where its check (the budget must hold
+        # max_model_len) refuses, and there every prompt fits the budget whole beside the decodes
+        assert chunked == (int(row["max_num_batched_tokens"]) < int(row["input_len"]) + int(row["output_len"]))
+        assert int(row["input_len"]) + int(row["max_num_seqs"]) <= int(row["max_num_batched_tokens"])
+    assert _trtllm_bench_limits(rows[rows.id == "R001"].iloc[0].to_dict()) == (4096, 8192)  # by hand: 4,409 fit
