@@ -17,6 +17,8 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
 - vLLM PR #49363: H100 bf16 GEMM, N=12288 K=5376, M=1 at 2.870 TFLOP/s, i.e. 132 MB of weights in
   46 us = 2.87 of 3.35 TB/s.
 - REFERENCE.md section 3: H200 device copy 4.3 of 4.8 TB/s (measured with PyTorch).
+- Azure/AI-benchmarking-guide (BabelStream, CUDA 12.6, the same VBIOS and host): Dot 3.18 of 3.35 TB/s
+  on ND H100 v5, 4.48 of 4.8 TB/s on ND H200 v5: the read ceiling no GEMM is timed above.
 - nccl-tests issue #149 and #175 (DGX A100, 8 GPUs): all-reduce busbw 230-232.5 GB/s of 300 per
   direction; nccl-tests issue #212 and NCCL issue #2140 (8x H100): 370 GB/s ring busbw of the
   450 GB/s line rate (480 with NVLS); stas00 all-reduce-8xH200.md: 367.6 GB/s ring, 482 NVLS;
@@ -122,6 +124,9 @@ class Priors:
     fabric: str              # nvlink or pcie (NCCL's per-step latency; peer-to-peer custom all-reduce on nvlink)
     nvls: Figure | None = None  # NVLS algorithm bandwidth over the per-direction link (None: no NVSwitch 3)
     fp4: tuple[float, Figure] | None = None  # FP4 tensor cores: (dense peak FLOP/s, NVFP4 GEMM efficiency)
+    read_ceiling: Figure | None = None  # the best share of HBM bandwidth a measured read kernel reaches:
+    # no GEMM is timed faster (gemm_ceiling; None: the datasheet bounds, as for the A100s, whose 36,516
+    # fitted GEMM timings span the shapes the simulator runs)
 
 
 def _mamf(tflops: float, peak: float, what: str) -> Figure:
@@ -130,6 +135,15 @@ def _mamf(tflops: float, peak: float, what: str) -> Figure:
 
 H100_GEMM, H100_FP8 = _mamf(794.5, 989, "H100 SXM bf16"), _mamf(1402.6, 1979, "H100 SXM fp8")
 A100_GEMM = _mamf(271.2, 312, "A100 SXM bf16")
+# The best read bandwidth measured on the GPU: Azure/AI-benchmarking-guide, BabelStream's Dot (a read-only
+# reduction, like a GEMM's weight stream; CUDA 12.6, the same VBIOS and host on both): ND H100 v5 3.18 of
+# 3.35 TB/s ("Azure Results/ND_H100_v5_results.md" at f350e7e), ND H200 v5 4.48 of 4.8 TB/s
+# (Azure_Results/ND_H200_v5_results.md at 7f20e5f). vLLM's fused_moe reads Mixtral's experts at 0.89
+# of the H100's datasheet (PR #24700, batch 16-128: calibration/published/fused_moe_times.csv), under it.
+H100_READ = Figure(round(3.18 / 3.35, 4), "prior:Azure BabelStream Dot on ND H100 v5, 3.18 of 3.35 TB/s")
+H200_READ = Figure(round(4.48 / 4.8, 4), "prior:Azure BabelStream Dot on ND H200 v5, 4.48 of 4.8 TB/s")
+BORROWED_READ = Figure(H200_READ.value, f"prior:no public read-bandwidth figure found for this GPU; the H200's "
+                                        f"({H200_READ.source[len('prior:'):]})")
 NO_MEMORY_FIGURE = "no public streaming-bandwidth figure found for this GPU; the H200's measured share"
 PRIORS = {
     "a100_80g": Priors(A100_GEMM, None, Figure(0.78, "prior:the A100 GEMM fit's memory efficiency"),
@@ -137,27 +151,30 @@ PRIORS = {
     "a100_40g": Priors(A100_GEMM, None, Figure(0.78, "prior:the A100 GEMM fit's memory efficiency (same chip)"),
                        Figure(0.767, "prior:nccl-tests #149/#175 DGX A100 busbw 230 of 300 GB/s"), "nvlink"),
     "h100": Priors(H100_GEMM, H100_FP8, Figure(0.857, "prior:vLLM PR #49363 H100 bf16 GEMV 2.87 of 3.35 TB/s"),
-                   Figure(0.822, "prior:nccl-tests #212 / NCCL #2140 8x H100 ring busbw 370 of 450 GB/s"), "nvlink"),
+                   Figure(0.822, "prior:nccl-tests #212 / NCCL #2140 8x H100 ring busbw 370 of 450 GB/s"), "nvlink",
+                   read_ceiling=H100_READ),
     "h200": Priors(Figure(H100_GEMM.value, H100_GEMM.source + " (stas00: H200 is the same)"),
                    _mamf(1453.4, 1979, "H200 SXM fp8"),
                    Figure(0.896, "prior:REFERENCE.md section 3 H200 device copy 4.3 of 4.8 TB/s"),
-                   Figure(0.817, "prior:stas00 all-reduce-8xH200 ring busbw 367.6 of 450 GB/s"), "nvlink"),
+                   Figure(0.817, "prior:stas00 all-reduce-8xH200 ring busbw 367.6 of 450 GB/s"), "nvlink",
+                   read_ceiling=H200_READ),
     "b200": Priors(_mamf(1745.0, 2250, "B200 SXM bf16"), _mamf(3432.5, 4500, "B200 SXM fp8"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
                    Figure(0.772, "prior:NCCL #2140 8x B300 (NVLink 5) busbw 695 of 900 GB/s without NVLS; "
                                  "no B200 ring figure found"), "nvlink",
                    Figure(round(B200_NVLS_BUSBW * 8 / 14 / 900e9, 4),
                           "prior:stas00 8x B200 all-reduce busbw 845.67 GB/s at 16 GiB (NVLS), as algbw of 900 GB/s"),
-                   (B200_FP4_PEAK, B200_FP4_GEMM)),
+                   (B200_FP4_PEAK, B200_FP4_GEMM), read_ceiling=BORROWED_READ),
     "l40s": Priors(Figure(H100_GEMM.value, "prior:no public L40S matmul figure found; the H100's MAMF share"),
                    Figure(H100_FP8.value, "prior:no public L40S fp8 matmul figure found; the H100's MAMF share"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
                    Figure(0.875, "prior:NCCL #1639 8x RTX 5090 on PCIe busbw 28 of 32 GB/s; no L40S figure found"),
-                   "pcie"),
+                   "pcie", read_ceiling=BORROWED_READ),
     "mi300x": Priors(Figure(round(708 / 1307, 4), "prior:AMD ROCm blog MAF MI300X bf16 708 of 1307 TFLOP/s"),
                      Figure(round(1273 / 2615, 4), "prior:AMD ROCm blog MAF MI300X fp8 1273 of 2615 TFLOP/s"),
                      Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
-                     Figure(0.7, "prior:no public single-node RCCL figure found; 0.7 assumed"), "nvlink"),
+                     Figure(0.7, "prior:no public single-node RCCL figure found; 0.7 assumed"), "nvlink",
+                     read_ceiling=BORROWED_READ),
 }
 GEMM_T0 = Figure(4e-6, "prior:4 us kernel fixed cost (no per-GPU figure)")
 
@@ -195,6 +212,10 @@ def with_priors(profile: dict) -> dict:
     replacements = {"gemm": gemm, "attention_prefill": attention, "attention_decode": attention,
                     "allreduce": allreduce, **algorithms, "send_recv": send_recv, "cpu_step": CPU_STEP,
                     "cpu_output": CPU_OUTPUT}
+    if priors.read_ceiling:  # a GEMM reads its weights no faster than this GPU's best measured read kernel
+        replacements["gemm_ceiling"] = {
+            "compute_efficiency": 1.0, "memory_efficiency": priors.read_ceiling.value, "t0_s": 0.0,
+            "source": f"{priors.read_ceiling.source}: no GEMM is timed at a larger share of the bandwidth"}
     if priors.gemm_fp8:
         replacements["gemm_fp8"] = _quantized_gemm(ops, gemm, priors, priors.gemm_fp8, "FP8")
     if priors.fp4:

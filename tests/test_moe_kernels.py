@@ -27,8 +27,9 @@ def test_the_shipped_grouped_gemm_shares_are_the_fit_to_the_fit_rows():
     assert fit_shares(fitting) == pytest.approx(SHARES, abs=0.021)  # the grid's step is 0.02
     ratios = fitting.ratios()
     assert all(0.8 <= r <= 1.1 for r in ratios) and statistics.median(ratios) == pytest.approx(1.0, abs=0.03)
-    # at the dense GEMM's efficiencies the same rows were a tenth fast
-    assert statistics.median(fitting.ratios((1.0, 1.0))) < 0.92
+    # at the dense GEMM's efficiencies the same rows were a tenth fast, 7% since the read ceiling
+    # (gemm_ceiling) bounds every GEMM's bandwidth
+    assert statistics.median(fitting.ratios((1.0, 1.0))) < 0.95
 
 
 def test_the_fit_recovers_known_shares():

@@ -7,7 +7,10 @@
                                    never measured
 
 made monotone in x (the corrected times at the grid points take a cumulative maximum and are
-interpolated between them) and never below the datasheet roofline (e_c = e_m = 1, t0 = 0).
+interpolated between them) and never below the datasheet roofline (e_c = e_m = 1, t0 = 0); for
+GEMMs that roofline's bandwidth is the share of it the GPU's best measured streaming kernel reaches
+(the profile's `gemm_ceiling`): a correction fitted where the fixed cost dominates would otherwise
+time a weight-bound GEMM larger than any it saw at the full datasheet bandwidth.
 Pure Python over a profile's JSON: the simulator and `python -m calibration predict` share it.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Roofline:
     t0_s: float
     per_seq_s: float = 0.0
     causal_efficiency: float | None = None  # of causal FLOPs (sim.latency.operators); None: e_c
+    bandwidth_ceiling: float = 1.0  # the floor's share of bandwidth (GEMMs: gemm_ceiling)
 
     def time(self, flops: float, nbytes: float, num_seqs: float = 0.0, causal_flops: float = 0.0) -> float:
         compute = flops / (self.peak_flops * self.compute_efficiency)
@@ -40,7 +44,7 @@ class Roofline:
 
     def datasheet_time(self, flops: float, nbytes: float, num_seqs: float = 0.0,
                        causal_flops: float = 0.0) -> float:
-        return max((flops + causal_flops) / self.peak_flops, nbytes / self.bandwidth)
+        return max((flops + causal_flops) / self.peak_flops, nbytes / (self.bandwidth * self.bandwidth_ceiling))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +86,12 @@ class CalibratedOp:
             return self._monotone_time(shape_class, size, work, roof.time(*amounts), roof.datasheet_time(*amounts))
         return self.corrected(shape_class, size, amounts)
 
-    def corrected(self, shape_class: str, size: float, amounts) -> float:
+    def corrected(self, shape_class: str, size: float, amounts, floor_amounts=None) -> float:
         """The fitted time of this work times the class's factor at size (interpolated, not made
-        monotone), never below the datasheet roofline."""
+        monotone), never below the datasheet roofline (of floor_amounts where the fitted work is
+        scaled, as a grouped GEMM's is)."""
         roof = self.roofline
-        fitted, floor = roof.time(*amounts), roof.datasheet_time(*amounts)
+        fitted, floor = roof.time(*amounts), roof.datasheet_time(*(floor_amounts or amounts))
         if self.table is None or size <= 0:
             return max(fitted, floor)
         return max(fitted * self.factor(shape_class, size), floor)
@@ -129,11 +134,14 @@ class CalibratedOp:
 
 # vLLM's Triton fused_moe reaches these shares of the dense GEMM's compute and memory
 # efficiencies: fitted (calibration/grouped_gemm.py) to the fused_moe times vLLM PR #24700
-# published for Mixtral-8x7B in BF16 at TP 2 on an H100, batch 1-1,536 (kvsim/measured 0.84-1.03
-# with them, 0.75-0.92 without). Held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR
-# #36554, batch 1-8, weight-bound: a check of the memory share only) come out 0.91-1.04
+# published for Mixtral-8x7B in BF16 at TP 2 on an H100, batch 1-1,536 (kvsim/measured 0.87-1.06
+# with them, median 1.00). Held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR #36554,
+# batch 1-8, weight-bound: a check of the memory share only) come out 0.93-1.07
 # (tests/test_moe_kernels.py); the compute share rests on the fit's batches of 1,024 and 1,536.
-GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE = 0.80, 0.88
+# Refitted 2026-12-05 when GEMMs got the read ceiling (gemm_ceiling), which bounds the grouped
+# kernel's raw bytes: 0.88 before, when a weight-bound grouped GEMM could be timed at the full
+# datasheet bandwidth.
+GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE = 0.80, 0.84
 
 
 class CalibratedGemm:
@@ -160,7 +168,10 @@ class CalibratedGemm:
         op, stored = self._op(dtype)
         flops, nbytes = gemm_work(m, n, k, stored)
         compute, memory = self.grouped_shares
-        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops / compute, groups * nbytes / memory))
+        # Never below the roofline of its compute at the share and of its bytes at the read ceiling
+        # (vLLM's fused_moe reads Mixtral's experts at 0.89 of the H100's datasheet bandwidth)
+        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops / compute, groups * nbytes / memory),
+                            (groups * flops / compute, groups * nbytes))
 
 
 def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = True) -> CalibratedOp:
@@ -172,10 +183,12 @@ def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = T
 
 def calibrated_gemm(profile) -> CalibratedGemm:
     """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""
+    ceiling = profile.op("gemm_ceiling").memory_efficiency
+
     def op(name, peak):
         eff = profile.op(name)
         roof = Roofline(peak, profile.hbm_bandwidth_bytes_per_s, eff.compute_efficiency,
-                        eff.memory_efficiency, eff.t0_s)
+                        eff.memory_efficiency, eff.t0_s, bandwidth_ceiling=ceiling)
         return CalibratedOp(roof, CorrectionTable.from_json(eff.correction))
     ops = {"default": op("gemm", profile.bf16_flops_per_s)}
     for dtype, (name, peak) in QUANTIZED_GEMMS.items():  # FP8, NVFP4 (W4A4): their own efficiencies and peak
