@@ -27,10 +27,10 @@ def markdown(profile: dict, report: dict) -> str:
              f"versions {profile.get('versions', {})}.", "",
              "Model per operator (sim.latency.operators): t = t0 + per_seq sequences + max(FLOPs / (peak e_c) "
              "+ causal FLOPs / (peak e_causal), bytes / (bandwidth e_m)); GEMMs and kernels times a correction "
-             "table over log2(size) per shape class (monotone, never below the datasheet roofline); attention "
-             "without one (its physical form extrapolates, a table would hold its edges). An efficiency the "
-             "data cannot tell from the datasheet prior's (e_c of memory-bound decode, e_m of compute-bound "
-             "prefill) keeps the prior.", ""]
+             "table over log2(size) per shape class (monotone, never below the datasheet roofline, a GEMM's "
+             "bandwidth at the profile's read ceiling); attention without one (its physical form "
+             "extrapolates, a table would hold its edges). An efficiency the data cannot tell from the "
+             "datasheet prior's (e_c of memory-bound decode, e_m of compute-bound prefill) keeps the prior.", ""]
     for op, numbers in report.items():
         fit = numbers["fit"]
         extra = (f", per_seq = {fit['per_seq_s'] * 1e6:.2f} us" if fit.get("per_seq_s") else "") + (

@@ -153,7 +153,7 @@ def _without_elementwise(data: dict) -> dict:
 
 def _without_gemm_ceiling(data: dict) -> dict:
     return {"memory_efficiency": 1.0, "compute_efficiency": 1.0, "t0_s": 0.0,
-            "source": "prior:none (no measured streaming figure for this GPU: the datasheet bandwidth bounds a GEMM)"}
+            "source": "prior:none (the profile names no read ceiling: the datasheet bandwidth bounds a GEMM)"}
 
 
 def _without_host_copy(data: dict) -> dict:

@@ -8,6 +8,7 @@ import pytest
 from sim.latency import load_profile
 from sim.latency.calibrated import calibrated_gemm
 from sim.latency.operators import gemm_work
+from tests.helpers import predicted
 
 # Weight-bound shapes larger than any the GEMM fits saw: Llama-3-70B's MLP, DeepSeek-V3's eight
 # experts side by side, Llama-3.1-405B's gate and up projections.
@@ -33,6 +34,15 @@ def test_no_gemm_reads_faster_than_the_gpus_best_measured_read_kernel(gpu):
             assert _read_bandwidth(gemm, m, n, k) <= limit * (1 + 1e-9), (n, k, m)
     if gpu != "b200":  # the H100's fit (the H200's too) met it; the B200's, fitted on B200 shapes, stays under
         assert _read_bandwidth(gemm, 1, *LARGE[-1]) == pytest.approx(limit, rel=1e-9)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_predict_times_gemms_under_the_same_ceiling_as_the_simulator(tmp_path, gpu):
+    rows = [{"op": "gemm", "m": m, "n": n, "k": k, "dtype": dtype}
+            for n, k in LARGE for m in (1, 64) for dtype in ("bf16", "fp8")]
+    out = predicted(tmp_path, rows, gpu).time_s.tolist()
+    gemm = calibrated_gemm(load_profile(gpu))
+    assert out == pytest.approx([gemm.time(r["m"], r["n"], r["k"], r["dtype"]) for r in rows], rel=1e-12)
 
 
 def test_a100_gemms_keep_the_datasheet_bound():
