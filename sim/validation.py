@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.errors import ConfigError
+from sim.errors import ConfigError, KvsimError
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "validation" / "published.csv"  # in a clone
 
@@ -69,6 +69,9 @@ def read_published(path: Path) -> pd.DataFrame:
     for line, row in enumerate(frame.to_dict("records"), start=2):
         if row["run"] == "yes" and row["metric"] not in METRICS:
             raise ConfigError(f"unknown metric '{row['metric']}', {path}:{line}, use one of: {', '.join(METRICS)}")
+        if row["enable_chunked_prefill"] not in ("", "true", "false"):
+            raise ConfigError(f"enable_chunked_prefill '{row['enable_chunked_prefill']}', {path}:{line}, "
+                              f"use true, false or leave it empty (kvsim's default, chunked)")
     return frame
 
 
@@ -196,7 +199,10 @@ def run_rows(frame: pd.DataFrame, simulate, native_window, max_prompts: int | No
     for row in frame.to_dict("records"):
         kvsim, error = None, None
         if row["run"] == "yes":
-            metrics = simulate(overrides(row, native_window(row["model"]), max_prompts))
+            try:
+                metrics = simulate(overrides(row, native_window(row["model"]), max_prompts))
+            except KvsimError as exc:  # say which row the keys came from
+                raise ConfigError(f"row {row['id']} of the published file: {exc}") from None
             kvsim = metric_value(metrics, row)
             error = kvsim / float(row["value"]) - 1
         state, why = status(row, error)

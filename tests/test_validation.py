@@ -98,15 +98,18 @@ def _trtllm_bench_limits(row: dict) -> tuple[int, int]:
     TensorRT-LLM computes them (tensorrt_llm/bench/build/tuning.py: calc_engine_setting and
     finetune_setting; tensorrt_llm/bench/benchmark/utils/general.py: get_settings, which without
     chunked prefill raises the token budget to the longest prompt plus the batch). The KV cache is
-    the memory left after the weights, at the 0.95 fraction the source passes; the heuristic
-    counts every layer's KV heads (at least one per GPU) at one byte (FP8 KV)."""
+    the memory left after the weights, at the 0.95 fraction the source says it passes in many
+    cases (the rows' gpu_memory_utilization); the heuristic counts every layer's KV heads (at
+    least one per GPU) at the KV dtype's bytes (the rows' FP8, validation/SOURCES.md section 1)."""
     model = load_model(row["model"])
     tp, isl, osl = int(row["tensor_parallel_size"]), int(row["input_len"]), int(row["output_len"])
     weight_bytes = {"fp8": 1.0, "nvfp4": 0.5}[row["quantization"]]
     gib = 1024 ** 3
     memory = load_profile(row["gpu"]).memory_bytes / gib * tp
-    kv_per_token = 2 * model.num_layers * max(tp, model.num_kv_heads) * model.head_dim * 1.0 / gib
-    requests = (memory - model.num_params * weight_bytes / gib) * 0.95 / (kv_per_token * (isl + osl))
+    kv_bytes = {"fp8": 1.0}.get(row["kv_cache_dtype"], 2.0)
+    kv_per_token = 2 * model.num_layers * max(tp, model.num_kv_heads) * model.head_dim * kv_bytes / gib
+    fraction = float(row["gpu_memory_utilization"])
+    requests = (memory - model.num_params * weight_bytes / gib) * fraction / (kv_per_token * (isl + osl))
     batch = min(requests, 4096)
     tokens = min(batch * (1 + isl / osl), 32768)
     step = 32 if batch < 256 else 128 if batch < 1024 else 256
@@ -130,3 +133,19 @@ def test_tensorrt_llm_1_rows_run_the_limits_trtllm_bench_sets_itself():
         assert chunked == (int(row["max_num_batched_tokens"]) < int(row["input_len"]) + int(row["output_len"]))
         assert int(row["input_len"]) + int(row["max_num_seqs"]) <= int(row["max_num_batched_tokens"])
     assert _trtllm_bench_limits(rows[rows.id == "R001"].iloc[0].to_dict()) == (4096, 8192)  # by hand: 4,409 fit
+
+
+def test_a_bad_chunked_prefill_cell_and_a_row_kvsim_refuses_are_one_line_naming_the_row(tmp_path):
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    row = frame[frame.id == "R006"]  # 128/2048: a 2,048-token budget holds its prompts, not max_model_len
+    bad = tmp_path / "bad.csv"
+    row.assign(enable_chunked_prefill="no").to_csv(bad, index=False)
+    with pytest.raises(ConfigError, match=r"enable_chunked_prefill 'no', .*bad.csv:2, use true, false"):
+        validation.read_published(bad)
+    refused = tmp_path / "refused.csv"
+    row.assign(enable_chunked_prefill="false").to_csv(refused, index=False)
+    out = subprocess.run([sys.executable, "-m", "sim", "validate", f"path={refused}", f"out_dir={tmp_path}/v"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "row R006 of the published file" in out.stderr and "max_num_batched_tokens" in out.stderr
+    assert not (tmp_path / "v").exists()
