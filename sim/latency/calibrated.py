@@ -8,7 +8,7 @@
 
 made monotone in x (the corrected times at the grid points take a cumulative maximum and are
 interpolated between them) and never below the datasheet roofline (e_c = e_m = 1, t0 = 0); for
-GEMMs that roofline's bandwidth is the share of it the GPU's best measured streaming kernel reaches
+GEMMs that roofline's bandwidth is the share of it the GPU's best measured read kernel reaches
 (the profile's `gemm_ceiling`): a correction fitted where the fixed cost dominates would otherwise
 time a weight-bound GEMM larger than any it saw at the full datasheet bandwidth.
 Pure Python over a profile's JSON: the simulator and `python -m calibration predict` share it.
