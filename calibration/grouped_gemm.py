@@ -1,12 +1,13 @@
-"""kvsim's grouped GEMMs (a MoE layer's experts) against vLLM's published fused_moe kernel times.
+"""kvsim's grouped GEMMs (a MoE layer's experts) against published fused_moe kernel times.
 
-vLLM's Triton fused_moe runs each expert's tokens as tiles of one kernel; kvsim times it as the
-dense GEMM of the experts' summed work, corrected at each expert's share of the tokens
-(sim.latency.calibrated.CalibratedGemm.grouped_time), at a share of the dense GEMM's compute and
-memory efficiencies. fit_shares finds the two shares that best match measured times (least
-squares of log(kvsim / measured) over a grid); sim.latency.calibrated holds the shares fitted to
-the `fit` rows of calibration/published/fused_moe_times.csv, and tests/test_moe_kernels.py
-checks them against its held-out rows.
+vLLM's and SGLang's Triton fused_moe run each expert's tokens as tiles of one kernel; kvsim times
+it as the dense GEMM of the experts' summed work, corrected at each expert's share of the tokens,
+at shares of the dense GEMM's compute and memory efficiencies, with its own fixed cost and a cost
+per touched expert (sim.latency.calibrated.CalibratedGemm.grouped_time, GroupedKernel). fit_grouped
+finds the four that best match measured times (least squares of log(kvsim / measured), coordinate
+descent over grids); sim.latency.calibrated.GROUPED holds the fit to the `fit` rows of
+calibration/published/fused_moe_times.csv, and tests/test_moe_kernels.py checks it against the
+held-out rows.
 
     python -m calibration.grouped_gemm     # the fit and kvsim / measured per row and role
 """
@@ -18,12 +19,17 @@ import math
 import statistics
 from importlib import resources
 
+from sim.latency.calibrated import GroupedKernel
 from sim.latency.model import LatencyModel, group_quant_bytes, moe_quant_widths
 from sim.latency.operators import copy_work
 from sim.latency.profile import load_profile
 from sim.models import ModelSpec, load_model
 
 SHARE_GRID = tuple(x / 100 for x in range(40, 101, 2))
+T0_GRID = tuple(x * 1e-6 for x in range(0, 15))                # the grouped kernel's fixed cost, s
+PER_GROUP_GRID = tuple(x * 1e-8 for x in range(0, 41, 2))       # per touched expert, 0-0.4 us
+GRIDS = (SHARE_GRID, SHARE_GRID, T0_GRID, PER_GROUP_GRID)
+NAMES = ("compute_share", "memory_share", "t0_s", "per_group_s")
 # A row's dtype: kvsim's weight dtype and block size (DeepSeek's checkpoints scale 128 x 128 blocks).
 DTYPES = {"bf16": ("bf16", 0), "fp8": ("fp8", 0), "fp8_block": ("fp8", 128)}
 SHAPE_COLUMNS = ("model", "gpu", "tensor_parallel_size", "dtype", "num_experts", "num_active_experts",
@@ -62,7 +68,7 @@ class FusedMoeBench:
                 self._latency[key] = LatencyModel(moe_model(row), load_profile(row["gpu"]),
                                                   int(row["tensor_parallel_size"]), "bf16")
 
-    def predicted_us(self, shares: tuple[float, float] | None = None) -> list[float]:
+    def predicted_us(self, grouped: GroupedKernel | None = None) -> list[float]:
         """MoeLayer.fused_time per row, plus for block-scaled FP8 the two per-token-group
         quantizations vLLM's fused_experts runs inside the call (kvsim counts them with the
         layer's other elementwise kernels)."""
@@ -70,13 +76,13 @@ class FusedMoeBench:
         for row in self.rows:
             latency = self._latency[tuple(row[c] for c in SHAPE_COLUMNS)]
             tokens = int(row["batch_size"])
-            kept = latency.gemm.grouped_shares
-            if shares is not None:
-                latency.gemm.grouped_shares = shares
+            kept = latency.gemm.grouped
+            if grouped is not None:
+                latency.gemm.grouped = grouped
             try:
                 seconds = latency.moe.fused_time(tokens)
             finally:
-                latency.gemm.grouped_shares = kept
+                latency.gemm.grouped = kept
             if row["dtype"] == "fp8_block":
                 widths = moe_quant_widths(latency.model, latency.tp)
                 seconds += sum(latency.elementwise_op.time("stream", tokens * group_quant_bytes(w), copy_work)
@@ -84,35 +90,45 @@ class FusedMoeBench:
             times.append(seconds * 1e6)
         return times
 
-    def ratios(self, shares: tuple[float, float] | None = None) -> list[float]:
+    def ratios(self, grouped: GroupedKernel | None = None) -> list[float]:
         """kvsim / measured per row."""
-        return [p / float(row["time_us"]) for p, row in zip(self.predicted_us(shares), self.rows, strict=True)]
+        return [p / float(row["time_us"]) for p, row in zip(self.predicted_us(grouped), self.rows, strict=True)]
 
 
-def fit_shares(bench: FusedMoeBench, measured_us: list[float] | None = None) -> tuple[float, float]:
-    """(compute share, memory share) on SHARE_GRID minimising the mean squared log ratio of
-    kvsim's times to measured_us (by default the rows' published times). Raises ValueError when
-    the rows leave a share unconstrained (the error flat along it) or put it on the grid's
-    lower edge (the grid too narrow)."""
+def fit_grouped(bench: FusedMoeBench, measured_us: list[float] | None = None,
+                start: GroupedKernel = GroupedKernel(0.8, 0.8, 7e-6, 0.2e-6)) -> GroupedKernel:
+    """The GroupedKernel on GRIDS minimising the mean squared log ratio of kvsim's times to
+    measured_us (by default the rows' published times): coordinate descent from `start` until no
+    parameter moves. Raises ValueError when the rows leave a parameter unconstrained (the error
+    flat along it) or put a share on its grid's lower edge (the grid too narrow)."""
     measured = [float(row["time_us"]) for row in bench.rows] if measured_us is None else measured_us
-    errors = {}
-    for compute in SHARE_GRID:
-        for memory in SHARE_GRID:
-            predicted = bench.predicted_us((compute, memory))
-            errors[compute, memory] = sum(math.log(p / m) ** 2 for p, m in zip(predicted, measured, strict=True)) / len(measured)
-    best = min(errors, key=lambda shares: (errors[shares], -shares[0], -shares[1]))
-    for axis, name in enumerate(("compute", "memory")):
-        along = [errors[(s, best[1]) if axis == 0 else (best[0], s)] for s in SHARE_GRID]
-        if max(along) - min(along) < 1e-12:
-            raise ValueError(f"the rows do not constrain the {name} share (their error is the same at every value)")
+
+    def error(values: tuple) -> float:
+        predicted = bench.predicted_us(GroupedKernel(*values))
+        return sum(math.log(p / m) ** 2 for p, m in zip(predicted, measured, strict=True)) / len(measured)
+    best = tuple(min(grid, key=lambda g, v=v: abs(g - v)) for grid, v in zip(GRIDS, (
+        start.compute_share, start.memory_share, start.t0_s, start.per_group_s)))
+    for _ in range(20):
+        moved = False
+        for axis, grid in enumerate(GRIDS):
+            along = {value: error(best[:axis] + (value,) + best[axis + 1:]) for value in grid}
+            if max(along.values()) - min(along.values()) < 1e-12:
+                raise ValueError(f"the rows do not constrain the {NAMES[axis]} (their error is the same at every value)")
+            value = min(along, key=lambda v: (along[v], -v))
+            if value != best[axis]:
+                best, moved = best[:axis] + (value,) + best[axis + 1:], True
+        if not moved:
+            break
+    for axis in (0, 1):
         if best[axis] == SHARE_GRID[0]:
-            raise ValueError(f"the best {name} share is the grid's lowest, {SHARE_GRID[0]}: widen SHARE_GRID")
-    return best
+            raise ValueError(f"the best {NAMES[axis]} is the grid's lowest, {SHARE_GRID[0]}: widen SHARE_GRID")
+    return GroupedKernel(*best)
 
 
 def main() -> None:
-    fit = fit_shares(FusedMoeBench(published_rows("fit")))
-    print(f"fitted grouped-GEMM shares: compute {fit[0]:.2f}, memory {fit[1]:.2f}")
+    fit = fit_grouped(FusedMoeBench(published_rows("fit")))
+    print(f"fitted grouped kernel: compute share {fit.compute_share:.2f}, memory share {fit.memory_share:.2f}, "
+          f"fixed cost {fit.t0_s * 1e6:g} us, {fit.per_group_s * 1e6:.2f} us per touched expert")
     for role in ("fit", "held_out", "known_gap"):
         bench = FusedMoeBench(published_rows(role))
         ratios = bench.ratios()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sim.latency import BatchShape, LatencyModel, load_profile
-from sim.latency.calibrated import GROUPED_GEMM_COMPUTE_SHARE
+from sim.latency.calibrated import GROUPED
 from sim.latency.model import mla_gemms
 from sim.models import load_model
 
@@ -60,8 +60,9 @@ def test_moe_compute_bound_time_is_the_active_experts_flops_and_every_expert_run
     k, h, inter = model.num_active_experts, model.hidden_size, model.expert_intermediate_size / 8
     routing = tokens * (model.num_experts * 4 + k * 16 + k * 3 * inter * 2 + (k + 1) * h * 2)
     bandwidth = profile.hbm_bandwidth_bytes_per_s * profile.op("elementwise").memory_efficiency  # routing kernels
-    assert time == pytest.approx(routed / (peak * GROUPED_GEMM_COMPUTE_SHARE) + (shared + router) / peak
-                                 + routing / bandwidth, rel=1e-6)
+    per_expert = 2 * model.num_experts * GROUPED.per_group_s  # two grouped GEMMs, every expert touched
+    assert time == pytest.approx(routed / (peak * GROUPED.compute_share) + (shared + router) / peak
+                                 + routing / bandwidth + per_expert, rel=1e-6)
 
 
 def test_a_small_moe_batch_reads_every_touched_expert_and_costs_more_per_token():
@@ -83,10 +84,13 @@ def moe_layers(tokens, profile, expert_tokens_cv=0.0):
 
 
 def test_expert_parallelism_runs_the_same_expert_work_per_gpu_in_wider_gemms():
-    """With the experts' load even (expert_tokens_cv=0) every GPU runs the mean."""
+    """With the experts' load even (expert_tokens_cv=0) every GPU runs the mean: the same FLOPs,
+    over 32 whole experts instead of slices of all 256 (fewer groups, each paying its own start)."""
+    from sim.latency.calibrated import GROUPED
     profile = bare(load_profile("h200"))
-    tp, ep = moe_layers(65536, profile)  # compute-bound: time is FLOPs
-    assert ep.time(65536) == pytest.approx(tp.time(65536), rel=1e-9)
+    tp, ep = moe_layers(65536, profile)  # compute-bound: time is FLOPs, plus a start per touched expert
+    starts = 2 * GROUPED.per_group_s  # two grouped GEMMs a layer
+    assert ep.time(65536) - 32 * starts == pytest.approx(tp.time(65536) - 256 * starts, rel=1e-9)
     assert ep.expert_gemms[0][0] == 8 * tp.expert_gemms[0][0]  # whole experts, not 1/8 slices
     assert ep.all_to_all_bytes(800) == 800 / 8 * 8 * 7168 * 2  # its 1/8 of the tokens, k = 8 copies
 

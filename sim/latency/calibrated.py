@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from sim.latency.operators import gemm_class, gemm_work
@@ -132,26 +132,37 @@ class CalibratedOp:
         return cached
 
 
-# vLLM's Triton fused_moe reaches these shares of the dense GEMM's compute and memory
-# efficiencies: fitted (calibration/grouped_gemm.py) to the fused_moe times vLLM PR #24700
-# published for Mixtral-8x7B in BF16 at TP 2 on an H100, batch 1-1,536 (kvsim/measured 0.87-1.06
-# with them, median 1.00). Held out, DeepSeek-R1's block-scaled FP8 experts on an H200 (PR #36554,
-# batch 1-8, weight-bound: a check of the memory share only) come out 0.93-1.07
-# (tests/test_moe_kernels.py); the compute share rests on the fit's batches of 1,024 and 1,536.
-# Refitted 2026-12-05 when GEMMs got the read ceiling (gemm_ceiling), which bounds the grouped
-# kernel's raw bytes: 0.88 before, when a weight-bound grouped GEMM could be timed at the full
-# datasheet bandwidth.
-GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE = 0.80, 0.84
+@dataclass(frozen=True, slots=True)
+class GroupedKernel:
+    """How a fused MoE kernel's grouped GEMMs differ from the dense GEMM: shares of its compute and
+    memory efficiencies, its own fixed cost (where below the dense GEMM's) and a cost per group
+    (each touched expert's tiles start and drain apart)."""
+    compute_share: float
+    memory_share: float
+    t0_s: float
+    per_group_s: float
+
+
+# vLLM's and SGLang's Triton fused_moe, fitted (calibration/grouped_gemm.py) to the fused_moe times
+# vLLM PR #24700 published for Mixtral-8x7B (BF16, TP 2, H100, batch 1-1,536) and SGLang PR #11730
+# for Qwen3-235B-A22B (per-tensor FP8, TP 8: 192 of each expert's columns a GPU, H200, batch 1-32):
+# kvsim/measured 0.90-1.08 and 0.94-1.05 with them. Held out (tests/test_moe_kernels.py):
+# DeepSeek-R1's block-scaled FP8 experts on an H200 (PR #36554, batch 1-8) 0.94-1.04, and
+# Qwen3-30B-A3B's 128 small per-tensor FP8 experts on an H100 (PR #24700) 0.86-0.99 at batch 1-128
+# (0.82-1.09 with shares alone), its larger batches still far too fast (a known gap). Until
+# 2026-12-05 only the two shares were fitted, to Mixtral alone (0.80/0.88, then 0.80/0.84 under the
+# read ceiling), and TP-8 expert slices at 32 tokens came out 0.74.
+GROUPED = GroupedKernel(compute_share=0.80, memory_share=0.80, t0_s=6e-6, per_group_s=0.18e-6)
 
 
 class CalibratedGemm:
     """GEMM time for (m, n, k, dtype): fp8 runs against the fp8 peak where the GPU has one, nvfp4
     against the fp4 peak (sim.run refuses nvfp4 on a GPU without one)."""
 
-    def __init__(self, ops_by_dtype: dict[str, CalibratedOp],
-                 grouped_shares: tuple[float, float] = (GROUPED_GEMM_COMPUTE_SHARE, GROUPED_GEMM_MEMORY_SHARE)):
+    def __init__(self, ops_by_dtype: dict[str, CalibratedOp], grouped: GroupedKernel = GROUPED):
         self.ops_by_dtype = ops_by_dtype
-        self.grouped_shares = grouped_shares  # (compute, memory): of the dense GEMM's efficiencies
+        self.grouped = grouped
+        self._grouped_ops: dict[tuple[str, float], CalibratedOp] = {}  # by dtype and grouped fixed cost
 
     def _op(self, dtype: str) -> tuple[CalibratedOp, str]:
         """The calibrated op for a GEMM dtype and the dtype its operands are stored in."""
@@ -163,15 +174,22 @@ class CalibratedGemm:
 
     def grouped_time(self, m: float, groups: float, n: float, k: float, dtype: str) -> float:
         """One grouped-GEMM kernel of `groups` (m x k) @ (k x n) products (MoE experts): their
-        summed work at the grouped kernel's shares of the dense GEMM's efficiencies, one fixed
-        cost, and the correction at the per-group m (small groups run small, inefficient tiles)."""
+        summed work at the grouped kernel's shares of the dense GEMM's efficiencies, its own fixed
+        cost, the correction at the per-group m (small groups run small, inefficient tiles) and a
+        cost per group."""
         op, stored = self._op(dtype)
         flops, nbytes = gemm_work(m, n, k, stored)
-        compute, memory = self.grouped_shares
+        g = self.grouped
+        grouped_op = self._grouped_ops.get((dtype, g.t0_s))
+        if grouped_op is None:
+            roof = op.roofline
+            grouped_op = self._grouped_ops[dtype, g.t0_s] = CalibratedOp(
+                replace(roof, t0_s=min(roof.t0_s, g.t0_s)), op.table, op.monotone)
         # Never below the roofline of its compute at the share and of its bytes at the read ceiling
         # (vLLM's fused_moe reads Mixtral's experts at 0.89 of the H100's datasheet bandwidth)
-        return op.corrected(gemm_class(n, k, dtype), m, (groups * flops / compute, groups * nbytes / memory),
-                            (groups * flops / compute, groups * nbytes))
+        amounts = (groups * flops / g.compute_share, groups * nbytes / g.memory_share)
+        return (grouped_op.corrected(gemm_class(n, k, dtype), m, amounts, (amounts[0], groups * nbytes))
+                + groups * g.per_group_s)
 
 
 def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = True) -> CalibratedOp:

@@ -4,7 +4,8 @@ token alignment by expert, two grouped GEMMs over the experts the batch touches 
 kernel whose tiles run per expert, so a touched expert with few tokens runs a small, inefficient
 GEMM), SiLU-and-mul between them, the weighted sum of the top-k outputs, and the shared experts
 as dense GEMMs. Every GEMM is timed by the profile's calibrated GEMM, the experts' grouped
-GEMMs at the shares of its efficiencies that vLLM's fused kernel reaches (sim.latency.calibrated);
+GEMMs at the shares of its efficiencies that vLLM's and SGLang's fused kernel reaches, with its own
+fixed cost and a cost per touched expert (sim.latency.calibrated.GROUPED);
 the small routing kernels (top-k, alignment, activation, weighted sum) as the step's other
 streaming kernels (the profile's `elementwise` operator: their bytes at its memory efficiency,
 its fixed cost of a few microseconds; until 2026-12-05 they paid the GEMM's fixed cost, 14 us

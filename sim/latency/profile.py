@@ -54,14 +54,14 @@ class GpuProfile:
         derived = {"gemm_fp8_block": "prior:gemm_fp8 at 0.53 of its compute rate (FBGEMM PR #2546, H100: "
                                      "blockwise FP8 with scaling against row-wise FP8)"} if self.fp8_flops_per_s else {}
         # (imported here: sim.latency.calibrated imports this module)
-        from sim.latency.calibrated import (
-            GROUPED_GEMM_COMPUTE_SHARE,
-            GROUPED_GEMM_MEMORY_SHARE,
-        )
-        shares = (f"MoE experts' grouped GEMMs at {GROUPED_GEMM_COMPUTE_SHARE:.2f} of the gemm's compute and "
-                  f"{GROUPED_GEMM_MEMORY_SHARE:.2f} of its memory efficiency, fitted to vLLM PR #24700's "
-                  f"benchmark_moe times (Mixtral-8x7B BF16, TP 2, H100; calibration/grouped_gemm.py)")
-        derived["gemm_grouped"] = f"imported:{shares}" if self.name == "h100" else f"prior:the H100's fit: {shares}"
+        from sim.latency.calibrated import GROUPED
+        shares = (f"MoE experts' grouped GEMMs at {GROUPED.compute_share:.2f} of the gemm's compute and "
+                  f"{GROUPED.memory_share:.2f} of its memory efficiency, a fixed cost of at most "
+                  f"{GROUPED.t0_s * 1e6:g} us and {GROUPED.per_group_s * 1e6:g} us per touched expert, fitted to "
+                  f"vLLM PR #24700's and SGLang PR #11730's fused_moe times (Mixtral-8x7B BF16 TP 2 on H100, "
+                  f"Qwen3-235B-A22B FP8 TP 8 on H200; calibration/grouped_gemm.py)")
+        derived["gemm_grouped"] = (f"imported:{shares}" if self.name in ("h100", "h200")
+                                   else f"prior:the Hopper fit: {shares}")
         return {**{name: op.source for name, op in self.operators.items()}, **derived, "launch": self.launch_source}
 
     def op(self, name: str) -> OperatorEfficiency:
