@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 import statistics
 from importlib import resources
@@ -28,7 +29,8 @@ from sim.models import ModelSpec, load_model
 SHARE_GRID = tuple(x / 100 for x in range(40, 101, 2))
 T0_GRID = tuple(x * 1e-6 for x in range(0, 15))                # the grouped kernel's fixed cost, s
 PER_GROUP_GRID = tuple(x * 1e-8 for x in range(0, 41, 2))       # per touched expert, 0-0.4 us
-GRIDS = (SHARE_GRID, SHARE_GRID, T0_GRID, PER_GROUP_GRID)
+MEMORY_GRID = tuple(x / 100 for x in range(60, 101, 2))       # searched jointly with the two costs
+GRIDS = (SHARE_GRID, MEMORY_GRID, T0_GRID, PER_GROUP_GRID)
 NAMES = ("compute_share", "memory_share", "t0_s", "per_group_s")
 # A row's dtype: kvsim's weight dtype and block size (DeepSeek's checkpoints scale 128 x 128 blocks).
 DTYPES = {"bf16": ("bf16", 0), "fp8": ("fp8", 0), "fp8_block": ("fp8", 128)}
@@ -56,7 +58,7 @@ def moe_model(row: dict) -> ModelSpec:
 
 
 class FusedMoeBench:
-    """kvsim's fused_moe time for each row, at any grouped-GEMM shares (one latency model per
+    """kvsim's fused_moe time for each row, at any GroupedKernel (one latency model per
     distinct model, GPU, TP, dtype and expert shape among the rows)."""
 
     def __init__(self, rows: list[dict]):
@@ -95,12 +97,18 @@ class FusedMoeBench:
         return [p / float(row["time_us"]) for p, row in zip(self.predicted_us(grouped), self.rows, strict=True)]
 
 
+def _constrained(errors: dict, axis: int) -> None:
+    if max(errors.values()) - min(errors.values()) < 1e-12:
+        raise ValueError(f"the rows do not constrain the {NAMES[axis]} (their error is the same at every value)")
+
+
 def fit_grouped(bench: FusedMoeBench, measured_us: list[float] | None = None,
                 start: GroupedKernel = GroupedKernel(0.8, 0.8, 7e-6, 0.2e-6)) -> GroupedKernel:
     """The GroupedKernel on GRIDS minimising the mean squared log ratio of kvsim's times to
-    measured_us (by default the rows' published times): coordinate descent from `start` until no
-    parameter moves. Raises ValueError when the rows leave a parameter unconstrained (the error
-    flat along it) or put a share on its grid's lower edge (the grid too narrow)."""
+    measured_us (by default the rows' published times): from `start`, the compute share alone and
+    then the memory share, the fixed cost and the cost per group together (they trade against each
+    other: one at a time stops short of the optimum), until nothing moves. Raises ValueError when the rows leave a
+    parameter unconstrained (the error flat along it) or put a share on its grid's lower edge."""
     measured = [float(row["time_us"]) for row in bench.rows] if measured_us is None else measured_us
 
     def error(values: tuple) -> float:
@@ -109,19 +117,21 @@ def fit_grouped(bench: FusedMoeBench, measured_us: list[float] | None = None,
     best = tuple(min(grid, key=lambda g, v=v: abs(g - v)) for grid, v in zip(GRIDS, (
         start.compute_share, start.memory_share, start.t0_s, start.per_group_s)))
     for _ in range(20):
-        moved = False
-        for axis, grid in enumerate(GRIDS):
-            along = {value: error(best[:axis] + (value,) + best[axis + 1:]) for value in grid}
-            if max(along.values()) - min(along.values()) < 1e-12:
-                raise ValueError(f"the rows do not constrain the {NAMES[axis]} (their error is the same at every value)")
-            value = min(along, key=lambda v: (along[v], -v))
-            if value != best[axis]:
-                best, moved = best[:axis] + (value,) + best[axis + 1:], True
-        if not moved:
+        along = {value: error((value,) + best[1:]) for value in SHARE_GRID}
+        _constrained(along, 0)
+        compute = min(along, key=lambda v: (along[v], -v))
+        joint = {rest: error((compute,) + rest)
+                 for rest in itertools.product(MEMORY_GRID, T0_GRID, PER_GROUP_GRID)}
+        for axis in (1, 2, 3):
+            _constrained({rest: e for rest, e in joint.items()
+                          if all(rest[i - 1] == best[i] for i in (1, 2, 3) if i != axis)}, axis)
+        moved = (compute,) + min(joint, key=lambda r: (joint[r], -r[0], -r[1], -r[2]))
+        if moved == best:
             break
+        best = moved
     for axis in (0, 1):
-        if best[axis] == SHARE_GRID[0]:
-            raise ValueError(f"the best {NAMES[axis]} is the grid's lowest, {SHARE_GRID[0]}: widen SHARE_GRID")
+        if best[axis] == GRIDS[axis][0]:
+            raise ValueError(f"the best {NAMES[axis]} is its grid's lowest, {GRIDS[axis][0]}: widen the grid")
     return GroupedKernel(*best)
 
 
