@@ -4,8 +4,8 @@ vLLM's and SGLang's Triton fused_moe run each expert's tokens as tiles of one ke
 it as the dense GEMM of the experts' summed work, corrected at each expert's share of the tokens,
 at shares of the dense GEMM's compute and memory efficiencies, with its own fixed cost and a cost
 per touched expert (sim.latency.calibrated.CalibratedGemm.grouped_time, GroupedKernel). fit_grouped
-finds the four that best match measured times (least squares of log(kvsim / measured), coordinate
-descent over grids); sim.latency.calibrated.GROUPED holds the fit to the `fit` rows of
+finds the four that best match measured times (least squares of log(kvsim / measured) over
+grids); sim.latency.calibrated.GROUPED holds the fit to the `fit` rows of
 calibration/published/fused_moe_times.csv, and tests/test_moe_kernels.py checks it against the
 held-out rows.
 
@@ -107,8 +107,9 @@ def fit_grouped(bench: FusedMoeBench, measured_us: list[float] | None = None,
     """The GroupedKernel on GRIDS minimising the mean squared log ratio of kvsim's times to
     measured_us (by default the rows' published times): from `start`, the compute share alone and
     then the memory share, the fixed cost and the cost per group together (they trade against each
-    other: one at a time stops short of the optimum), until nothing moves. Raises ValueError when the rows leave a
-    parameter unconstrained (the error flat along it) or put a share on its grid's lower edge."""
+    other: one at a time stops short of the optimum), until nothing moves. Raises ValueError when
+    the rows leave a parameter unconstrained (the error flat along it) or put a share on its grid's
+    lower edge."""
     measured = [float(row["time_us"]) for row in bench.rows] if measured_us is None else measured_us
 
     def error(values: tuple) -> float:

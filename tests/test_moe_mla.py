@@ -86,7 +86,6 @@ def moe_layers(tokens, profile, expert_tokens_cv=0.0):
 def test_expert_parallelism_runs_the_same_expert_work_per_gpu_in_wider_gemms():
     """With the experts' load even (expert_tokens_cv=0) every GPU runs the mean: the same FLOPs,
     over 32 whole experts instead of slices of all 256 (fewer groups, each paying its own start)."""
-    from sim.latency.calibrated import GROUPED
     profile = bare(load_profile("h200"))
     tp, ep = moe_layers(65536, profile)  # compute-bound: time is FLOPs, plus a start per touched expert
     starts = 2 * GROUPED.per_group_s  # two grouped GEMMs a layer

@@ -113,9 +113,9 @@ def _trtllm_bench_limits(row: dict) -> tuple[int, int]:
     batch = min(requests, 4096)
     tokens = min(batch * (1 + isl / osl), 32768)
     step = 32 if batch < 256 else 128 if batch < 1024 else 256
-    max_batch = max(64, step * math.ceil(batch / step)) if batch < 256 else step * math.ceil(batch / step)
+    max_batch = max(64, step * math.ceil(batch / step))  # the minimum of 64 binds only below 256
     step = 256 if tokens < 4096 else 512 if tokens < 8192 else 1024
-    max_tokens = max(2048, step * math.ceil(tokens / step)) if tokens < 4096 else step * math.ceil(tokens / step)
+    max_tokens = max(2048, step * math.ceil(tokens / step))  # the minimum of 2,048 binds only below 4,096
     return max_batch, max(max_tokens, isl + max_batch)
 
 

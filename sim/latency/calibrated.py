@@ -42,8 +42,9 @@ class Roofline:
         return self.t0_s + self.per_seq_s * num_seqs + max(
             compute, nbytes / (self.bandwidth * self.memory_efficiency))
 
-    def datasheet_time(self, flops: float, nbytes: float, num_seqs: float = 0.0,
-                       causal_flops: float = 0.0) -> float:
+    def floor_time(self, flops: float, nbytes: float, num_seqs: float = 0.0, causal_flops: float = 0.0) -> float:
+        """The roofline no corrected time goes below: the datasheet's peak and its bandwidth at
+        bandwidth_ceiling."""
         return max((flops + causal_flops) / self.peak_flops, nbytes / (self.bandwidth * self.bandwidth_ceiling))
 
 
@@ -83,7 +84,7 @@ class CalibratedOp:
         amounts = work(size)
         if self.monotone and self.table is not None and size > 0:
             roof = self.roofline
-            return self._monotone_time(shape_class, size, work, roof.time(*amounts), roof.datasheet_time(*amounts))
+            return self._monotone_time(shape_class, size, work, roof.time(*amounts), roof.floor_time(*amounts))
         return self.corrected(shape_class, size, amounts)
 
     def corrected(self, shape_class: str, size: float, amounts, floor_amounts=None) -> float:
@@ -91,7 +92,7 @@ class CalibratedOp:
         monotone), never below the datasheet roofline (of floor_amounts where the fitted work is
         scaled, as a grouped GEMM's is)."""
         roof = self.roofline
-        fitted, floor = roof.time(*amounts), roof.datasheet_time(*(floor_amounts or amounts))
+        fitted, floor = roof.time(*amounts), roof.floor_time(*(floor_amounts or amounts))
         if self.table is None or size <= 0:
             return max(fitted, floor)
         return max(fitted * self.factor(shape_class, size), floor)

@@ -145,7 +145,7 @@ def _factor(grid, factors, size):
 
 @jit
 def _corrected(par, grid, factors, size, flops, nbytes, num_seqs, causal_flops):
-    """CalibratedOp.corrected on Roofline.time and datasheet_time."""
+    """CalibratedOp.corrected on Roofline.time and floor_time (attention: no read ceiling)."""
     compute = flops / (par[A_PEAK] * par[A_EC])
     if causal_flops != 0.0:
         compute += causal_flops / (par[A_PEAK] * par[A_CAUSAL_EC])
