@@ -172,6 +172,7 @@ class RunConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     serving_overhead_s: float = 0.0
+    api_server_per_seq_s: float = 0.0
     enable_expert_parallel: bool = False
     expert_tokens_cv: float = EXPERT_TOKENS_CV
     async_output_processing: bool = True
@@ -254,6 +255,7 @@ class EngineSpec:
     pipeline_parallel_size: int = 1      # pipeline stages per replica (each a TP group)
     data_parallel_size: int = 1          # attention ranks per replica (each a TP group), experts over all
     serving_overhead_s: float = 0.0      # per request, before the engine (API, tokenisation, detokenisation)
+    api_server_per_seq_s: float = 0.0    # per running request per step on the engine's thread (vLLM <= 0.5's HTTP server)
     enable_expert_parallel: bool = False  # MoE experts spread whole over the TP group, tokens by all-to-all
     expert_tokens_cv: float = EXPERT_TOKENS_CV  # the experts' shares' spread (EP: the busiest GPU sets the pace)
     async_output_processing: bool = True  # output processing overlaps the next step's GPU work
@@ -303,6 +305,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
     _require(c["seed"] >= 0, "seed", f"seed={c['seed']} is negative", "use 0 or a positive integer")
     _require(c["serving_overhead_s"] >= 0, "serving_overhead_s",
              f"serving_overhead_s={c['serving_overhead_s']} is negative", "give seconds >= 0 (0: none)")
+    _require(c["api_server_per_seq_s"] >= 0, "api_server_per_seq_s",
+             f"api_server_per_seq_s={c['api_server_per_seq_s']} is negative", "give seconds >= 0 (0: none)")
     _require(c["pipeline_parallel_size"] >= 1, "pipeline_parallel_size",
              f"pipeline_parallel_size={c['pipeline_parallel_size']} is below 1",
              "use 1 or more stages (at most the model's layers; uneven splits are allowed, as in vLLM)")
@@ -393,7 +397,8 @@ def engine_spec(cfg: DictConfig, native_window: int = 0) -> EngineSpec:
         cudagraph_capture_sizes=() if c["enforce_eager"] else tuple(sorted(set(sizes))),
         quantization=QUANTIZATIONS[c["quantization"]], pipeline_parallel_size=c["pipeline_parallel_size"],
         data_parallel_size=c["data_parallel_size"],
-        serving_overhead_s=c["serving_overhead_s"], enable_expert_parallel=c["enable_expert_parallel"],
+        serving_overhead_s=c["serving_overhead_s"], api_server_per_seq_s=c["api_server_per_seq_s"],
+        enable_expert_parallel=c["enable_expert_parallel"],
         expert_tokens_cv=c["expert_tokens_cv"],
         async_output_processing=c["async_output_processing"], async_scheduling=c["async_scheduling"],
         router_staleness_s=c["cluster"]["router_staleness_s"], slo=slo_spec(c["slo"]),

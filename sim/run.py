@@ -246,7 +246,7 @@ def prepare(cfg: DictConfig) -> Setup:
     latency = LatencyModel(model, profile, spec.tensor_parallel_size, kv_dtype, spec.cudagraph_capture_sizes,
                            spec.pipeline_parallel_size, spec.enable_expert_parallel, spec.async_output_processing,
                            spec.kv_offload.overlap_load, async_scheduling, spec.data_parallel_size,
-                           spec.num_speculative_tokens, spec.expert_tokens_cv)
+                           spec.num_speculative_tokens, spec.expert_tokens_cv, spec.api_server_per_seq_s)
     if latency.expert_parallel:
         say_busiest_gpu(latency.moe, spec)
     if spec.enable_expert_parallel and not latency.expert_parallel:

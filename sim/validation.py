@@ -75,6 +75,19 @@ def read_published(path: Path) -> pd.DataFrame:
     return frame
 
 
+# ShareGPT rows replay vLLM's own sample: benchmark_serving.py's seed-0 draw from
+# ShareGPT_V3_unfiltered_cleaned_split.json (first human turn as the prompt, first answer's length
+# as the output; pairs under 4, prompts over 1,024 or pairs over 2,048 tokens skipped), Llama-3
+# tokenizer, as one saved result published its first 200 (sim/workload/samples/LICENSES.md). A
+# row of more prompts runs those 200 and says so in its caveat.
+SHAREGPT_V3_SAMPLE, SHAREGPT_V3_REQUESTS = "sharegpt_v3", 200
+# vLLM <= 0.5 served HTTP from the engine's process: seconds a running request a step. vLLM's
+# v0.6.0 blog (2024-09-05) profiled Llama-3-8B on one H100 in 0.5.3: API server 33% of the time,
+# GPU 38%; kvsim's GPU step of that model at 256 sequences (vLLM's max_num_seqs) of 450 tokens is
+# 15.1 ms, so 0.33 / 0.38 x 15.1 ms / 256 (tests/test_validation.py recomputes it).
+VLLM05_API_SERVER_PER_SEQ_S = 51e-6
+
+
 def _optional(value: str) -> str:
     return value if value else "null"
 
@@ -111,10 +124,13 @@ def overrides(row: dict, native_window: int, max_prompts: int | None = None) -> 
         keys.append("serving_overhead_s=0")
     if row["async_output_processing"] == "false":  # vLLM before 0.6 (PR #7049)
         keys.append("async_output_processing=false")
+        if row["harness"] == "http":  # its OpenAI server ran in the engine's process until 0.6 (PR #6883)
+            keys.append(f"api_server_per_seq_s={VLLM05_API_SERVER_PER_SEQ_S}")
     if row["async_scheduling"] == "true":  # TensorRT-LLM >= 0.20's PyTorch flow, SGLang >= 0.4, vLLM >= 0.14
         keys.append("async_scheduling=true")
-    if row["dataset"] == "sharegpt":
-        return ["scenario=sharegpt", *keys, f"scenario.max_requests={prompts}",
+    if row["dataset"] == "sharegpt":  # vLLM's seed-0 sample, as far as published (SHAREGPT_V3_REQUESTS)
+        return ["scenario=sharegpt", *keys, f"scenario.path=sample:{SHAREGPT_V3_SAMPLE}",
+                f"scenario.max_requests={min(prompts, SHAREGPT_V3_REQUESTS)}",
                 "scenario.arrival_rate_rps=1e9", "max_model_len=null"]
     total = int(row["input_len"]) + int(row["output_len"])
     # An in-process benchmark sizes its engine to the dataset (trtllm-bench's max_seq_len); a server

@@ -149,3 +149,41 @@ def test_a_bad_chunked_prefill_cell_and_a_row_kvsim_refuses_are_one_line_naming_
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "row R006 of the published file" in out.stderr and "max_num_batched_tokens" in out.stderr
     assert not (tmp_path / "v").exists()
+
+
+def test_sharegpt_rows_replay_vllms_own_sample_and_vllm_05_http_rows_pay_its_in_process_api_server():
+    frame = validation.read_published(validation.DEFAULT_PATH)
+    rows = frame[frame.dataset == "sharegpt"].to_dict("records")
+    assert len(rows) == 8
+    for row in rows:
+        keys = validation.overrides(row, native_window=131072)
+        assert "scenario.path=sample:sharegpt_v3" in keys
+        assert f"scenario.max_requests={min(int(row['num_prompts']), 200)}" in keys
+        if int(row["num_prompts"]) > 200:  # the published sample stops at 200: said in the row
+            assert "first 200" in row["caveat"], row["id"]
+        api = f"api_server_per_seq_s={validation.VLLM05_API_SERVER_PER_SEQ_S}"
+        assert (api in keys) == (row["harness"] == "http" and row["async_output_processing"] == "false")
+    served_today = frame[frame.id == "R041"].iloc[0].to_dict()  # NIM over HTTP: its own server process
+    assert not any(k.startswith("api_server_per_seq_s") for k in validation.overrides(served_today, 131072))
+
+
+def test_vllm_05s_api_server_cost_is_its_blogs_share_of_kvsims_gpu_step():
+    """vLLM's v0.6.0 blog: in 0.5.3, Llama-3-8B on one H100, the API server took 33% of the time and
+    the GPU 38%; at 256 running sequences (max_num_seqs) of 450 tokens kvsim's GPU step sets the
+    per-sequence cost."""
+    from sim.latency.model import BatchShape, LatencyModel
+
+    latency = LatencyModel(load_model("llama31_8b"), load_profile("h100"), 1, "bf16", (256,))
+    shape = BatchShape(num_decode_seqs=256, decode_context_tokens=256 * 450, num_sampled=256)
+    gpu = sum(v for k, v in latency.breakdown(shape).items() if k not in ("launch", "cpu", "cpu_output"))
+    assert validation.VLLM05_API_SERVER_PER_SEQ_S == pytest.approx(0.33 / 0.38 * gpu / 256, rel=0.02)
+
+
+def test_the_shipped_sharegpt_sample_holds_vllms_published_token_totals():
+    from sim.workload.trace import TraceSpec, read_requests
+
+    _, requests, skipped, failed = read_requests(TraceSpec(path="sample:sharegpt_v3"))
+    assert (len(requests), skipped, failed) == (200, 0, 0)
+    assert sum(r.input_len for r in requests) == 42659  # the 200-prompt input total vLLM prints
+    assert sum(r.output_len for r in requests) == 42398 <= 43545  # that run's outputs, at most the completions'
+    assert all(4 <= r.input_len <= 1024 and r.input_len + r.output_len <= 2048 for r in requests)

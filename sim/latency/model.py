@@ -114,7 +114,8 @@ class LatencyModel:
                  kv_dtype: str, cudagraph_capture_sizes: tuple[int, ...] = (), pipeline_parallel_size: int = 1,
                  expert_parallel: bool = False, async_output_processing: bool = True,
                  overlap_kv_load: bool = True, async_scheduling: bool = False, data_parallel_size: int = 1,
-                 num_speculative_tokens: int = 0, expert_tokens_cv: float = EXPERT_TOKENS_CV):
+                 num_speculative_tokens: int = 0, expert_tokens_cv: float = EXPERT_TOKENS_CV,
+                 api_server_per_seq_s: float = 0.0):
         self.model, self.profile, self.tp = model, profile, tensor_parallel_size
         # Data-parallel attention: dp ranks of tp GPUs, each with its own sequences (a step waits
         # for the busiest rank: rank_shape), the experts spread over all of them.
@@ -180,6 +181,9 @@ class LatencyModel:
         self.cpu_op = self._calibrated("cpu_step", "cpu_step", 1.0, 1.0)
         self.cpu_output_op = self._calibrated("cpu_output", "cpu_output", 1.0, 1.0)
         self.async_output = async_output_processing
+        # An HTTP server in the engine's process (vLLM <= 0.5): its per-step work for each running
+        # request (building and streaming the response chunk) runs on the engine's thread.
+        self.api_server_per_seq_s = api_server_per_seq_s
         # The host's whole step (scheduling the next step, its inputs, the last step's outputs)
         # beside the GPU's work, as TensorRT-LLM's and SGLang's overlap schedulers and vLLM's
         # --async-scheduling run it: a step pays only the CPU time beyond its GPU time.
@@ -358,9 +362,10 @@ class LatencyModel:
         return self.send_recv_op.time("p2p", nbytes, send_recv_work)
 
     def cpu_time(self, num_seqs: int) -> float:
-        """The host's critical step work (schedule, prepare inputs, sample); output processing is
+        """The host's critical step work (schedule, prepare inputs, sample, and an in-process API
+        server's share: api_server_per_seq_s a running request); output processing is
         cpu_output_time."""
-        return self.cpu_op.time("step", num_seqs, cpu_step_work)
+        return self.cpu_op.time("step", num_seqs, cpu_step_work) + self.api_server_per_seq_s * num_seqs
 
     def token_ops(self, tokens: float, every: float | None = None) -> tuple[float, float, float, float, float]:
         """_token_ops, memoized: steps repeat token counts far more often than shapes."""

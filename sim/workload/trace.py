@@ -31,7 +31,8 @@ READERS = {"mooncake": mooncake, "azure": azure, "agentic": agentic, "burstgpt":
            "length_stats": length_stats}
 FORMATS = ("auto", *READERS)
 SAMPLES = {"mooncake": "mooncake_conversation.jsonl", "azure": "azure_code.csv", "azure_conv": "azure_conv.csv",
-           "agentic": "agentic", "sharegpt": "sharegpt_length_stats.csv"}
+           "agentic": "agentic", "sharegpt": "sharegpt_length_stats.csv",
+           "sharegpt_v3": "sharegpt_v3_vllm_seed0.csv"}
 
 
 @dataclass(frozen=True, slots=True)
