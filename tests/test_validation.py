@@ -187,3 +187,11 @@ def test_the_shipped_sharegpt_sample_holds_vllms_published_token_totals():
     assert sum(r.input_len for r in requests) == 42659  # the 200-prompt input total vLLM prints
     assert sum(r.output_len for r in requests) == 42398 <= 43545  # that run's outputs, at most the completions'
     assert all(4 <= r.input_len <= 1024 and r.input_len + r.output_len <= 2048 for r in requests)
+
+
+def test_asking_a_trace_for_more_requests_than_it_holds_says_so(caplog):
+    from sim.workload.trace import TraceSpec, read_requests
+
+    _, requests, _, _ = read_requests(TraceSpec(path="sample:sharegpt_v3", max_requests=320))
+    assert len(requests) == 200
+    assert "max_requests=320" in caplog.text and "holds 200 valid requests" in caplog.text

@@ -185,6 +185,9 @@ def read_requests(spec: TraceSpec) -> tuple[TraceFormat, list[TraceRequest], int
     if not kept:
         raise TraceError("no requests", path, None,
                          "the trace is empty or every record was skipped or failed")
+    if spec.max_requests is not None and len(kept) < spec.max_requests:
+        log.warning("trace: max_requests=%d but %s holds %d valid requests; running %d",
+                    spec.max_requests, path, len(kept), len(kept))
     return reader.FORMAT, kept, skipped, failed
 
 
