@@ -79,17 +79,34 @@ def test_simulator_and_predict_time_quantized_gemms_alike(tmp_path):
         assert times["lm_head"] == pytest.approx(t[4], rel=1e-12)
 
 
-def test_mla_attention_stays_sixteen_bit_and_quantized_inputs_add_no_kernels():
+def test_mla_attention_stays_sixteen_bit_and_each_fp4_gemm_input_gets_a_quantize_kernel():
+    """TensorRT-LLM's B200 trace of DeepSeek-R1 NVFP4 runs quantize_with_block_size before each FP4
+    GEMM input (validation/SOURCES.md, "Kernel times that check the model"): the routed experts'
+    input once, the shared experts' gate/up and down inputs; MLA attention is 16-bit, so none
+    there. 16-bit values read, 4-bit values and an FP8 scale per 16 written."""
     b200 = load_profile("b200")
     shape = BatchShape(num_decode_seqs=64, decode_context_tokens=64 * 2000, num_sampled=64)
     fp4 = LatencyModel(nvfp4("deepseek_v3"), b200, 8, "bf16")
     bf16 = LatencyModel(dataclasses.replace(load_model("deepseek_v3"), weight_dtype="bf16"), b200, 8, "bf16")
     assert fp4.breakdown(shape)["qkv_o_proj"] == bf16.breakdown(shape)["qkv_o_proj"]
     assert fp4.breakdown(shape)["mlp"] < 0.5 * bf16.breakdown(shape)["mlp"]
-    # inputs quantized inside the kernel before each GEMM (TensorRT-LLM's fused norm and activation)
-    assert fp4.elementwise_kernels == bf16.elementwise_kernels
+    m, per_value = fp4.model, 2 + 0.5 + 1 / 16
+    dense, moe, h = m.num_dense_mlp_layers, m.num_moe_layers, m.hidden_size
+    shared = m.expert_intermediate_size * m.num_shared_experts / 8
+    assert fp4.elementwise_kernels == bf16.elementwise_kernels + [
+        (dense, h * per_value), (dense, m.intermediate_size / 8 * per_value),
+        (moe, h * per_value), (moe, h * per_value), (moe, shared * per_value)]
+    added_time = fp4.breakdown(shape)["elementwise"] - bf16.breakdown(shape)["elementwise"]
+    assert added_time >= (2 * dense + 3 * moe) * 3e-6  # each at least the elementwise kernel's 3 us
+    # A dense model quantizes the inputs of its QKV, output, gate/up and down GEMMs
+    llama = LatencyModel(nvfp4("llama31_70b"), b200, 1, "bf16")
+    plain = LatencyModel(load_model("llama31_70b"), b200, 1, "bf16")
+    added = llama.elementwise_kernels[len(plain.elementwise_kernels):]
+    lm = llama.model
+    assert added == [(lm.num_layers, lm.hidden_size * per_value), (lm.num_layers, lm.intermediate_size * per_value),
+                     (lm.num_layers, lm.hidden_size * per_value), (lm.num_layers, lm.hidden_size * per_value)]
     block = LatencyModel(load_model("deepseek_v3"), b200, 8, "bf16")  # block-scaled FP8: its own quant kernels
-    assert len(block.elementwise_kernels) > len(fp4.elementwise_kernels)
+    assert len(block.elementwise_kernels) > len(bf16.elementwise_kernels)
 
 
 def test_nvfp4_needs_fp4_tensor_cores_and_modelopt_fp4_is_its_vllm_name(run_config, tmp_path):

@@ -10,7 +10,8 @@ made monotone in x (the corrected times at the grid points take a cumulative max
 interpolated between them) and never below the datasheet roofline (e_c = e_m = 1, t0 = 0); for
 GEMMs that roofline's bandwidth is the share of it the GPU's best measured read kernel reaches
 (the profile's `gemm_ceiling`): a correction fitted where the fixed cost dominates would otherwise
-time a weight-bound GEMM larger than any it saw at the full datasheet bandwidth.
+time a weight-bound GEMM larger than any it saw at the full datasheet bandwidth. Where a profile
+has measured small GEMM kernels (`gemm_floor`), no GEMM kernel is timed shorter than they run.
 Pure Python over a profile's JSON: the simulator and `python -m calibration predict` share it.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Roofline:
     per_seq_s: float = 0.0
     causal_efficiency: float | None = None  # of causal FLOPs (sim.latency.operators); None: e_c
     bandwidth_ceiling: float = 1.0  # the floor's share of bandwidth (GEMMs: gemm_ceiling)
+    kernel_floor_s: float = 0.0     # the least time one kernel takes (GEMMs: gemm_floor)
 
     def time(self, flops: float, nbytes: float, num_seqs: float = 0.0, causal_flops: float = 0.0) -> float:
         compute = flops / (self.peak_flops * self.compute_efficiency)
@@ -44,8 +46,9 @@ class Roofline:
 
     def floor_time(self, flops: float, nbytes: float, num_seqs: float = 0.0, causal_flops: float = 0.0) -> float:
         """The roofline no corrected time goes below: the datasheet's peak and its bandwidth at
-        bandwidth_ceiling."""
-        return max((flops + causal_flops) / self.peak_flops, nbytes / (self.bandwidth * self.bandwidth_ceiling))
+        bandwidth_ceiling, and never under kernel_floor_s."""
+        return max((flops + causal_flops) / self.peak_flops, nbytes / (self.bandwidth * self.bandwidth_ceiling),
+                   self.kernel_floor_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +207,12 @@ def calibrated_profile_op(eff, peak: float, bandwidth: float, monotone: bool = T
 
 def calibrated_gemm(profile) -> CalibratedGemm:
     """From a GpuProfile (sim.latency.profile): its gemm efficiencies and correction table."""
-    ceiling = profile.op("gemm_ceiling").memory_efficiency
+    ceiling, floor = profile.op("gemm_ceiling").memory_efficiency, profile.op("gemm_floor").t0_s
 
     def op(name, peak):
         eff = profile.op(name)
         roof = Roofline(peak, profile.hbm_bandwidth_bytes_per_s, eff.compute_efficiency,
-                        eff.memory_efficiency, eff.t0_s, bandwidth_ceiling=ceiling)
+                        eff.memory_efficiency, eff.t0_s, bandwidth_ceiling=ceiling, kernel_floor_s=floor)
         return CalibratedOp(roof, CorrectionTable.from_json(eff.correction))
     ops = {"default": op("gemm", profile.bf16_flops_per_s)}
     for dtype, (name, peak) in QUANTIZED_GEMMS.items():  # FP8, NVFP4 (W4A4): their own efficiencies and peak

@@ -199,8 +199,10 @@ class LatencyModel:
                             lambda nbytes: self.elementwise_op.time("stream", nbytes, copy_work),
                             self.expert_parallel, self.dp, expert_tokens_cv) if model.num_moe_layers else None
         self.elementwise_kernels = elementwise_kernels(model, tp, kv_split, self.kv_bytes_per_token_layer_rank)
-        if block_scaled:  # (per-tensor FP8 and NVFP4: no quant kernels, see above group_quant_kernels)
+        if block_scaled:  # (per-tensor FP8: no quant kernels, see above group_quant_kernels)
             self.elementwise_kernels += group_quant_kernels(model, tp)
+        if nvfp4:
+            self.elementwise_kernels += nvfp4_quant_kernels(self._fp4_gemm_inputs())
         self.host_copy_op = self._calibrated("host_copy", "host_copy", 1.0, profile.host_link_bytes_per_s)
         self.kv_dtype = kv_dtype
         self.capture_sizes = tuple(cudagraph_capture_sizes)
@@ -208,6 +210,18 @@ class LatencyModel:
         # Steps repeat token counts far more often than shapes: memoize what depends on them.
         self._per_token_count: dict[float, tuple[float, float, float, float, float]] = {}
         self._lm_head: dict[float, float] = {}
+
+    def _fp4_gemm_inputs(self) -> list[tuple[int, list[tuple[float | None, float]]]]:
+        """(layers, GEMMs (n, k) whose input is quantized) of an NVFP4 checkpoint's FP4 GEMMs: dense
+        attention's (MLA's stay 16-bit), the dense MLPs', the state mixers' projections, and a MoE
+        layer's routed experts (their input once a token) and shared experts."""
+        groups = [(self.num_dense_layers, self.dense_mlp_gemms)]
+        groups += [(mixer.count, mixer.gemms) for mixer in self.state_mixers]
+        if self.attention_gemm_dtype == self.gemm_dtype:
+            groups.append((self.attention_layers, self.attention_gemms))
+        if self.moe:
+            groups.append((self.model.num_moe_layers, [(None, self.model.hidden_size), *self.moe.shared_gemms]))
+        return groups
 
     def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
         """The profile's operator `name`, timed as the catalogue's `operator`."""
@@ -582,10 +596,25 @@ def elementwise_kernels(model: ModelSpec, tp: int, kv_split: float, kv_bytes: fl
     return kernels
 
 
-# Per-tensor FP8 and NVFP4 (W4A4) GEMM inputs are quantized inside the kernel before the GEMM, as
-# TensorRT-LLM fuses them into its norm and activation kernels: no kernel of their own (vLLM
-# without its fusion passes runs scaled_fp8_quant / scaled_fp4_quant separately, not counted);
-# block-scaled FP8's per_token_group_quant kernels are (group_quant_kernels).
+# Per-tensor FP8 GEMM inputs are quantized inside the kernel before the GEMM, as TensorRT-LLM
+# fuses them into its norm and activation kernels: no kernel of their own (vLLM without its fusion
+# passes runs scaled_fp8_quant separately, not counted); block-scaled FP8's per_token_group_quant
+# kernels are (group_quant_kernels), and so are NVFP4's (nvfp4_quant_kernels).
+
+# NVFP4 activations: 16-bit values read, 4-bit values and one FP8 scale per 16 written.
+NVFP4_QUANT_BYTES_PER_VALUE = ACTIVATION_BYTES + 0.5 + 1 / 16
+
+
+def nvfp4_quant_kernels(fp4_gemm_inputs) -> list[tuple[int, float]]:
+    """(layers, bytes per token on one rank) of NVFP4's activation quantization: a kernel of its own
+    before each FP4 GEMM's input (k of each (n, k)), as an nsys trace of TensorRT-LLM (image
+    rc6.post2) decoding DeepSeek-R1-0528-NVFP4-v2 on 8 B200s at concurrency 64 shows:
+    quantize_with_block_size<NVFP4>, 97,104 launches over 24,888 attention-layer passes (3.9 a
+    layer: before the output projection, the routed experts, the shared experts' gate/up and their
+    down projection; the routed experts' down input is quantized inside their gate/up kernel), 2.2
+    to 3.6 us each, after the fused all-reduce and norm rather than inside it (validation/SOURCES.md,
+    "Kernel times that check the model"). The W4A4 GEMM itself is the profile's FP4 GEMM."""
+    return [(layers, width * NVFP4_QUANT_BYTES_PER_VALUE) for layers, gemms in fp4_gemm_inputs for _, width in gemms]
 
 
 def group_quant_bytes(width: float) -> float:

@@ -156,6 +156,11 @@ def _without_gemm_ceiling(data: dict) -> dict:
             "source": "prior:none (the profile names no read ceiling: the datasheet bandwidth bounds a GEMM)"}
 
 
+def _without_gemm_floor(data: dict) -> dict:
+    return {"memory_efficiency": 1.0, "compute_efficiency": 1.0, "t0_s": 0.0,
+            "source": "prior:none (no measured small GEMM kernels of this GPU: no GEMM has a least time)"}
+
+
 def _without_host_copy(data: dict) -> dict:
     return {"memory_efficiency": 1.0, "compute_efficiency": 1.0, "t0_s": data.get("host_link_latency_s", 0.0),
             "source": "prior:the profile's host link bandwidth and latency (no host copy figure)"}
@@ -174,7 +179,7 @@ FALLBACKS = {"cpu_step": _without_cpu_step, "cpu_output": _without_cpu_output,
              "gemm_fp8": _without_gemm_fp8,
              "send_recv": _borrowed("allreduce", LINK_FIGURES, "send/recv figure"),
              "kv_copy": _without_kv_copy, "host_copy": _without_host_copy, "elementwise": _without_elementwise,
-             "gemm_ceiling": _without_gemm_ceiling,
+             "gemm_ceiling": _without_gemm_ceiling, "gemm_floor": _without_gemm_floor,
              "all_to_all": _borrowed("allreduce", LINK_FIGURES, "all-to-all figure"),
              "attention_decode_mla": _borrowed("attention_decode", "the attention_decode operator's figures",
                                                "MLA decode timings")}
