@@ -43,6 +43,7 @@ Sources (read 2026-12-01; the quotes are in docs/validation.md):
 """
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -110,6 +111,10 @@ class Figure:
 # 8192^3 5,239 TFLOP/s, the same kind of best-shape figure as the MAMF ones above. It checks
 # against NVFP4 at a medium shape, flashinfer PR #1979 (B200, m=1024 n=7168 k=4608): 3,441
 # (CUTLASS) to 3,841 TFLOP/s, where this prior's roofline gives 4,000 (docs/validation.md).
+# The B200's small GEMM kernels (validation/SOURCES.md, "Kernel times that check the model").
+B200_SMALL_GEMMS = ("b200_small_gemm_kernels.csv",
+                    "TensorRT-LLM rc6.post2 nsys trace of DeepSeek-R1-0528-NVFP4-v2 decode on 8 B200s "
+                    "(7 GEMM kernels of 3.7-10.0 us, means of 10 layers) + torchao PR #2427 (1024^3, 5.08 us)")
 B200_FP4_PEAK = 9000e12
 B200_FP4_GEMM = Figure(round(5239 / 9000, 4), "prior:DeepGEMM PR #348 B200 cuBLASLt block-scaled FP4 GEMM "
                                                "8192^3 5239 of 9000 TFLOP/s (stas00 table: B200 fp4 9000 dense)")
@@ -127,6 +132,8 @@ class Priors:
     read_ceiling: Figure | None = None  # the best share of HBM bandwidth a measured read kernel reaches:
     # no GEMM is timed faster (gemm_ceiling; None: the datasheet bounds, as for the A100s, whose 36,516
     # fitted GEMM timings span the shapes the simulator runs)
+    small_gemms: tuple[str, str] | None = None  # (file in calibration/published, what it holds): measured
+    # small GEMM kernels; no GEMM kernel is timed under their geometric mean (gemm_floor; None: no floor)
 
 
 def _mamf(tflops: float, peak: float, what: str) -> Figure:
@@ -164,7 +171,8 @@ PRIORS = {
                                  "no B200 ring figure found"), "nvlink",
                    Figure(round(B200_NVLS_BUSBW * 8 / 14 / 900e9, 4),
                           "prior:stas00 8x B200 all-reduce busbw 845.67 GB/s at 16 GiB (NVLS), as algbw of 900 GB/s"),
-                   (B200_FP4_PEAK, B200_FP4_GEMM), read_ceiling=BORROWED_READ),
+                   (B200_FP4_PEAK, B200_FP4_GEMM), read_ceiling=BORROWED_READ,
+                   small_gemms=B200_SMALL_GEMMS),
     "l40s": Priors(Figure(H100_GEMM.value, "prior:no public L40S matmul figure found; the H100's MAMF share"),
                    Figure(H100_FP8.value, "prior:no public L40S fp8 matmul figure found; the H100's MAMF share"),
                    Figure(0.896, f"prior:{NO_MEMORY_FIGURE} (4.3 of 4.8 TB/s)"),
@@ -216,6 +224,8 @@ def with_priors(profile: dict) -> dict:
         replacements["gemm_ceiling"] = {
             "compute_efficiency": 1.0, "memory_efficiency": priors.read_ceiling.value, "t0_s": 0.0,
             "source": f"{priors.read_ceiling.source}: no GEMM is timed at a larger share of the bandwidth"}
+    if priors.small_gemms:
+        replacements["gemm_floor"] = kernel_floor(*priors.small_gemms)
     if priors.gemm_fp8:
         replacements["gemm_fp8"] = _quantized_gemm(ops, gemm, priors, priors.gemm_fp8, "FP8")
     if priors.fp4:
@@ -231,6 +241,18 @@ def with_priors(profile: dict) -> dict:
              "of it (calibration/priors.py); each operator's source says which, fitted ones first.")
     return {**profile, "source": source, "operators": ops, "kernel_launch_s": KERNEL_LAUNCH_S,
             "graph_launch_s": GRAPH_LAUNCH_S, "launch_source": LAUNCH_SOURCE, "notes": notes}
+
+
+def kernel_floor(name: str, what: str) -> dict:
+    """A GPU's gemm_floor: the geometric mean of its small GEMM kernels' measured times
+    (calibration/published/<name>, its README): kvsim times no GEMM kernel shorter."""
+    with (resources.files("calibration") / "published" / name).open() as f:
+        times = [float(row["time_s"]) for row in csv.DictReader(f)]
+    floor = round(float(np.exp(np.mean(np.log(times)))), 9)
+    return {"compute_efficiency": 1.0, "memory_efficiency": 1.0, "t0_s": floor,
+            "source": (f"imported:{what}: no GEMM kernel is timed shorter than their geometric mean, "
+                       f"{floor * 1e6:.2f} us"),
+            "origin": f"calibration/published/{name}"}
 
 
 def _quantized_gemm(ops: dict, gemm: dict, priors: Priors, efficiency: Figure, kind: str) -> dict:

@@ -98,13 +98,17 @@ def test_mla_attention_stays_sixteen_bit_and_each_fp4_gemm_input_gets_a_quantize
         (moe, h * per_value), (moe, h * per_value), (moe, shared * per_value)]
     added_time = fp4.breakdown(shape)["elementwise"] - bf16.breakdown(shape)["elementwise"]
     assert added_time >= (2 * dense + 3 * moe) * 3e-6  # each at least the elementwise kernel's 3 us
-    # A dense model quantizes the inputs of its QKV, output, gate/up and down GEMMs
+    # A dense model quantizes the inputs of its gate/up and down GEMMs, then of its QKV and output
+    # projections (heads x head_dim wide); a model without dense MLP layers lists none for them
     llama = LatencyModel(nvfp4("llama31_70b"), b200, 1, "bf16")
     plain = LatencyModel(load_model("llama31_70b"), b200, 1, "bf16")
     added = llama.elementwise_kernels[len(plain.elementwise_kernels):]
     lm = llama.model
     assert added == [(lm.num_layers, lm.hidden_size * per_value), (lm.num_layers, lm.intermediate_size * per_value),
-                     (lm.num_layers, lm.hidden_size * per_value), (lm.num_layers, lm.hidden_size * per_value)]
+                     (lm.num_layers, lm.hidden_size * per_value),
+                     (lm.num_layers, lm.num_heads * lm.head_dim * per_value)]
+    hybrid = LatencyModel(nvfp4("nemotron3_nano_30b"), b200, 2, "bf16")
+    assert hybrid.model.num_dense_mlp_layers == 0 and all(layers for layers, _ in hybrid.elementwise_kernels)
     block = LatencyModel(load_model("deepseek_v3"), b200, 8, "bf16")  # block-scaled FP8: its own quant kernels
     assert len(block.elementwise_kernels) > len(bf16.elementwise_kernels)
 

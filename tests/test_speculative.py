@@ -153,4 +153,4 @@ def test_the_draft_and_verification_cost_against_tensorrt_llms_deepseek_r1_mtp_m
                            async_scheduling=True, num_speculative_tokens=k)
         verify = BatchShape(num_decode_seqs=1, decode_context_tokens=2048, num_sampled=k + 1, decode_queries=k + 1)
         ratio = lat.step_time(verify) / lat.step_time(plain)
-        assert ratio == pytest.approx(cost, rel=0.10)  # kvsim 1.05, 1.13, 1.15
+        assert ratio == pytest.approx(cost, rel=0.10)  # kvsim 1.07, 1.19, 1.21 (1.05, 1.13, 1.15 before 2026-12-06)

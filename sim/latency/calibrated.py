@@ -11,7 +11,7 @@ interpolated between them) and never below the datasheet roofline (e_c = e_m = 1
 GEMMs that roofline's bandwidth is the share of it the GPU's best measured read kernel reaches
 (the profile's `gemm_ceiling`): a correction fitted where the fixed cost dominates would otherwise
 time a weight-bound GEMM larger than any it saw at the full datasheet bandwidth. Where a profile
-has measured small GEMM kernels (`gemm_floor`), no GEMM kernel is timed shorter than they run.
+has measured small GEMM kernels (`gemm_floor`), no GEMM kernel is timed under their geometric mean.
 Pure Python over a profile's JSON: the simulator and `python -m calibration predict` share it.
 """
 from __future__ import annotations

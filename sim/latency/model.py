@@ -552,13 +552,14 @@ class LatencyModel:
 
 # Kernels one eager forward pass launches, as vLLM's model code runs them (my reading of
 # vllm/model_executor/models/llama.py and deepseek_v2.py): per layer, attention block: norm, QKV
-# GEMM, rotary, KV cache write, attention, output GEMM (MLA: 10 with its down/up projections and
-# their norms); dense MLP: fused add+norm, gate/up GEMM, SiLU-and-mul, down GEMM; MoE: about 15
-# (router GEMM, top-k, align/permute, two grouped GEMMs, activation, sum, shared experts); plus
+# GEMM, rotary, KV cache write, attention, output GEMM (MLA: 11 with its down/up projections, the
+# absorbed up-projection's two products, and their norms); dense MLP: fused add+norm, gate/up
+# GEMM, SiLU-and-mul, down GEMM; MoE: about 15 (router GEMM, top-k, align/permute, two grouped
+# GEMMs, activation, sum, shared experts); plus
 # an all-reduce after each block under TP, and per step embedding, final norm, LM head, sampler.
 # A state (Mamba-2) block: norm, in_proj GEMM, causal conv, scan, gated norm, out_proj GEMM (my
 # reading of vllm/model_executor/layers/mamba/mamba_mixer2.py).
-ATTENTION_BLOCK_KERNELS, MLA_BLOCK_KERNELS, STATE_BLOCK_KERNELS = 6, 10, 6
+ATTENTION_BLOCK_KERNELS, MLA_BLOCK_KERNELS, STATE_BLOCK_KERNELS = 6, 11, 6
 DENSE_MLP_KERNELS, MOE_KERNELS, STEP_KERNELS = 4, 15, 6
 
 
@@ -612,9 +613,12 @@ def nvfp4_quant_kernels(fp4_gemm_inputs) -> list[tuple[int, float]]:
     quantize_with_block_size<NVFP4>, 97,104 launches over 24,888 attention-layer passes (3.9 a
     layer: before the output projection, the routed experts, the shared experts' gate/up and their
     down projection; the routed experts' down input is quantized inside their gate/up kernel), 2.2
-    to 3.6 us each, after the fused all-reduce and norm rather than inside it (validation/SOURCES.md,
-    "Kernel times that check the model"). The W4A4 GEMM itself is the profile's FP4 GEMM."""
-    return [(layers, width * NVFP4_QUANT_BYTES_PER_VALUE) for layers, gemms in fp4_gemm_inputs for _, width in gemms]
+    to 3.8 us each, after the fused all-reduce and norm rather than inside it; SGLang 0.5.9's trace
+    on the B200 runs them too (validation/SOURCES.md, "Kernel times that check the model"). That trace's -v2 checkpoint quantizes MLA's output
+    projection too; kvsim keeps MLA attention 16-bit, as the first DeepSeek-R1 FP4 checkpoint does,
+    so it counts none there. The W4A4 GEMM itself is the profile's FP4 GEMM."""
+    return [(layers, width * NVFP4_QUANT_BYTES_PER_VALUE)
+            for layers, gemms in fp4_gemm_inputs if layers for _, width in gemms]
 
 
 def group_quant_bytes(width: float) -> float:
@@ -654,7 +658,12 @@ def moe_quant_widths(model: ModelSpec, tp: int) -> tuple[float, float]:
 def mla_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
     """MLA's projections (n, k) on one rank: the down-projections of queries and of the KV latent
     are replicated on every rank (ReplicatedLinear in vLLM and SGLang), the up-projections and the
-    output projection split their heads across the TP group."""
+    output projection split their heads across the TP group. The KV up-projection (kv_b_proj) runs
+    absorbed, as two batched products over the heads: W_UK on the queries' non-rotary part before
+    attention, W_UV on its output after (vLLM's and SGLang's MLA decode, torch.bmm; TensorRT-LLM's
+    UK_BGEMM and UV_GEMM kernels in its B200 trace, validation/SOURCES.md). A prefill running
+    kv_b_proj as one GEMM over the new latents does the same work in one kernel, not modelled
+    apart (one fixed cost a layer more in kvsim)."""
     h, heads = model.hidden_size, model.num_heads / tp
     qk = model.qk_nope_head_dim + model.qk_rope_head_dim
     latent = model.kv_lora_rank + model.qk_rope_head_dim
@@ -662,6 +671,6 @@ def mla_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
         gemms = [(model.q_lora_rank + latent, h), (heads * qk, model.q_lora_rank)]
     else:
         gemms = [(latent, h), (heads * qk, h)]
-    return gemms + [(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank),
-                    (h, heads * model.v_head_dim)]
+    absorbed = [(heads * model.kv_lora_rank, model.qk_nope_head_dim), (heads * model.v_head_dim, model.kv_lora_rank)]
+    return gemms + absorbed + [(h, heads * model.v_head_dim)]
 

@@ -19,7 +19,8 @@ def _token_terms(latency: LatencyModel, padded: float) -> tuple[float, ...]:
 def _attention(latency: LatencyModel, op, dims: tuple[float, float]) -> tuple[np.ndarray, ...]:
     """(parameters, grid, factors) of an attention operator (core.A_* order)."""
     roof, table = op.roofline, op.table
-    assert roof.bandwidth_ceiling == 1.0, "core._corrected's floor is the datasheet's (a read ceiling is GEMMs' only)"
+    assert roof.bandwidth_ceiling == 1.0 and roof.kernel_floor_s == 0.0, \
+        "core._corrected's floor is the datasheet's (a read ceiling and a least kernel time are GEMMs' only)"
     par = np.array([roof.peak_flops, roof.bandwidth, roof.compute_efficiency, roof.memory_efficiency,
                     roof.t0_s, roof.per_seq_s, roof.causal_efficiency or roof.compute_efficiency,
                     latency.heads_per_rank, dims[0], dims[1], latency.kv_bytes_per_token_layer_rank,
