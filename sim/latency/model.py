@@ -614,9 +614,10 @@ def nvfp4_quant_kernels(fp4_gemm_inputs) -> list[tuple[int, float]]:
     layer: before the output projection, the routed experts, the shared experts' gate/up and their
     down projection; the routed experts' down input is quantized inside their gate/up kernel), 2.2
     to 3.8 us each, after the fused all-reduce and norm rather than inside it; SGLang 0.5.9's trace
-    on the B200 runs them too (validation/SOURCES.md, "Kernel times that check the model"). That trace's -v2 checkpoint quantizes MLA's output
-    projection too; kvsim keeps MLA attention 16-bit, as the first DeepSeek-R1 FP4 checkpoint does,
-    so it counts none there. The W4A4 GEMM itself is the profile's FP4 GEMM."""
+    on the B200 runs them too (validation/SOURCES.md, "Kernel times that check the model"). That
+    trace's -v2 checkpoint quantizes MLA's output projection too; kvsim keeps MLA attention 16-bit,
+    as the first DeepSeek-R1 FP4 checkpoint does, so it counts none there. The W4A4 GEMM itself is
+    the profile's FP4 GEMM."""
     return [(layers, width * NVFP4_QUANT_BYTES_PER_VALUE)
             for layers, gemms in fp4_gemm_inputs if layers for _, width in gemms]
 
