@@ -208,9 +208,9 @@ def fit_op(rows: pd.DataFrame, profile: dict, op: str) -> dict:
 def calibrated_op(profile: dict, op: str, params: dict, dtype: str | None) -> CalibratedOp:
     peak = _peak(profile, op, dtype) if OPS[op].peak == "compute" else 1.0
     # GEMMs read no faster than the profile's read ceiling and run no shorter than its measured small
-    # kernels, as the simulator times them (sim.latency.calibrated)
-    ceiling = profile["operators"].get("gemm_ceiling", {}).get("memory_efficiency", 1.0) if op == "gemm" else 1.0
-    floor = profile["operators"].get("gemm_floor", {}).get("t0_s", 0.0) if op == "gemm" else 0.0
+    # kernels, as the simulator times them (sim.latency.calibrated; the profile's fallbacks where absent)
+    ceiling = operator_params(profile, "gemm_ceiling")["memory_efficiency"] if op == "gemm" else 1.0
+    floor = operator_params(profile, "gemm_floor")["t0_s"] if op == "gemm" else 0.0
     roof = Roofline(peak, _bandwidth(profile, op), params["compute_efficiency"], params["memory_efficiency"],
                     params["t0_s"], params.get("per_seq_s", 0.0), params.get("causal_efficiency"), ceiling, floor)
     return CalibratedOp(roof, CorrectionTable.from_json(params.get("correction")), OPS[op].monotone)

@@ -211,16 +211,17 @@ class LatencyModel:
         self._per_token_count: dict[float, tuple[float, float, float, float, float]] = {}
         self._lm_head: dict[float, float] = {}
 
-    def _fp4_gemm_inputs(self) -> list[tuple[int, list[tuple[float | None, float]]]]:
+    def _fp4_gemm_inputs(self) -> list[tuple[int, list[tuple[float, float]]]]:
         """(layers, GEMMs (n, k) whose input is quantized) of an NVFP4 checkpoint's FP4 GEMMs: dense
         attention's (MLA's stay 16-bit), the dense MLPs', the state mixers' projections, and a MoE
-        layer's routed experts (their input once a token) and shared experts."""
+        layer's routed experts (their gate/up input once a token: the down input is quantized inside
+        that kernel) and shared experts."""
         groups = [(self.num_dense_layers, self.dense_mlp_gemms)]
         groups += [(mixer.count, mixer.gemms) for mixer in self.state_mixers]
         if self.attention_gemm_dtype == self.gemm_dtype:
             groups.append((self.attention_layers, self.attention_gemms))
         if self.moe:
-            groups.append((self.model.num_moe_layers, [(None, self.model.hidden_size), *self.moe.shared_gemms]))
+            groups.append((self.model.num_moe_layers, [self.moe.expert_gemms[0], *self.moe.shared_gemms]))
         return groups
 
     def _calibrated(self, name: str, operator: str, peak: float, bandwidth: float) -> CalibratedOp:
