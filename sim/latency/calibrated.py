@@ -155,7 +155,8 @@ class GroupedKernel:
 # 1-8) 0.96-1.04, and Qwen3-30B-A3B's 128 small per-tensor FP8 experts on an H100 (PR #24700) at
 # batch 1-128 0.88-0.98 (0.85-1.09 with the 0.80/0.84 shares alone; these rows were labelled
 # held-out after the model was chosen, on seeing the kernel change regime above 128 tokens), its
-# larger batches still far too fast (a known gap). Until 2026-12-05 only the two shares were fitted,
+# larger batches still far too fast (a known gap), and Gemma 4's 128 BF16 experts on an H200 (PR
+# #44818, batch 8-1,536, added 2026-12-06) 0.92-1.07. Until 2026-12-05 only the two shares were fitted,
 # to Mixtral alone (0.80/0.88, then 0.80/0.84 under the read ceiling), and TP-8 expert slices at
 # 32 tokens came out 0.74.
 GROUPED = GroupedKernel(compute_share=0.80, memory_share=0.80, t0_s=7e-6, per_group_s=0.16e-6)
