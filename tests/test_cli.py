@@ -123,6 +123,8 @@ def test_multirun_sweeps(tmp_path):
     (["run", "capacity_scheduler_policy=no_evict"], ["unknown capacity_scheduler_policy 'no_evict'", "guaranteed_no_evict"]),
     (["run", "capacity_scheduler_policy=guaranteed_no_evict"], ["paged allocator only", "not 'contiguous'",
                                                                 "allocators=[paged]"]),
+    (["run", "serving_overhead_s=-1"], ["serving_overhead_s=-1.0 is negative", "give seconds >= 0"]),
+    (["run", "api_server_per_seq_s=-1"], ["api_server_per_seq_s=-1.0 is negative", "give seconds >= 0"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragments):
     assert_one_line_error(sim(tmp_path, *args), *fragments)
