@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from datetime import date
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,7 @@ from calibration.gpus import base_profile, check_profile_name
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
 from calibration.report import write_report
+from calibration.shapes import op_rows, read_shapes, unread_columns
 from sim.errors import UnknownNameError
 from sim.latency.profile import load_profile, packaged_profiles
 from sim.staging import first_missing
@@ -130,35 +132,23 @@ def import_vidur_task(cfg: DictConfig) -> None:
 
 
 def predict_task(cfg: DictConfig) -> None:
-    """Predicted seconds for each row of a shapes CSV, in order, written to `out`."""
+    """Predicted seconds for each row of a shapes CSV (calibration.shapes), in order, written to `out`."""
     profile = profile_json(cfg.gpu)
-    shapes_path = Path(cfg.shapes)
-    if not shapes_path.is_file():
-        raise RawError(f"no such file '{shapes_path}', key shapes, give a CSV with column op and its shape columns")
-    shapes = pd.read_csv(shapes_path)
-    if "op" not in shapes:
-        raise RawError(f"missing column op, {shapes_path}:1, give a CSV with column op and its shape columns")
-    unknown = sorted(set(shapes.op.astype(str)) - set(OPS))
-    if unknown:
-        raise RawError(f"unknown op(s) {', '.join(unknown)}, {shapes_path} column op, use {', '.join(OPS)}")
+    shapes_path, out_path = Path(cfg.shapes), Path(cfg.out)
+    shapes = read_shapes(shapes_path)
+    if not out_path.parent.is_dir() or out_path.is_dir():
+        raise RawError(f"cannot write '{out_path}', key out, give a file path in a folder that exists")
     out = np.empty(len(shapes))
     for op, index in shapes.groupby("op").indices.items():
-        needed = OPS[op].columns
-        missing = [c for c in needed if c not in shapes or shapes[c].iloc[index].isna().any()]
-        if missing:
-            raise RawError(f"op={op} rows need column(s) {', '.join(missing)}, {shapes_path}, "
-                           f"give {op} rows {', '.join(needed)}")
-        rows = shapes.iloc[index].assign(time_s=1.0)
-        if op != "gemm" and "dtype" in needed and (rows.dtype == "nvfp4").any():
+        rows = op_rows(shapes, op, index, shapes_path).assign(time_s=1.0)
+        if op != "gemm" and "dtype" in OPS[op].columns and (rows.dtype == "nvfp4").any():
             raise RawError(f"op={op} rows of dtype nvfp4: NVFP4 is a weight type, {shapes_path}, "
                            f"give {op} rows a dtype of fp16, bf16, fp8 or fp32 (nvfp4: op=gemm rows only)")
         try:
             prepared = prepare(rows, op, profile)
         except (KeyError, ValueError) as exc:
             raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
-                           f"give {op} rows numbers for {', '.join(c for c in needed if c != 'dtype')}"
-                           + (" and a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in needed
-                              else "")) from None
+                           f"give {op} rows a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)") from None
         if op == "all_reduce":
             out[index] = engine_all_reduce(rows, profile)
         elif op == "gemm":  # each dtype's own operator (gemm_fp8, gemm_fp4), as the simulator picks it
@@ -171,10 +161,14 @@ def predict_task(cfg: DictConfig) -> None:
         else:
             out[index] = predict(prepared, profile, op, operator_params(profile, op))
     result = shapes.assign(time_s=out)
-    tmp = Path(str(cfg.out) + ".tmp")
+    tmp = Path(str(out_path) + ".tmp")
     result.to_csv(tmp, index=False)
-    tmp.replace(cfg.out)
-    print(f"wrote {len(result)} predictions to {cfg.out}")
+    tmp.replace(out_path)
+    unread = unread_columns(shapes)
+    if unread:
+        print(f"note: column(s) {', '.join(unread)} of {shapes_path}: no operator reads them (kept as they are; "
+              f"a misspelt optional column falls back to its default)", file=sys.stderr)
+    print(f"wrote {len(result)} predictions to {out_path}")
 
 
 def engine_all_reduce(rows: pd.DataFrame, profile: dict) -> np.ndarray:

@@ -119,6 +119,38 @@ def test_predict_rejects_unknown_ops_and_missing_columns_in_one_line(tmp_path, c
     assert not (tmp_path / "o.csv").exists()
 
 
+@pytest.mark.parametrize("csv, out_path, fragment", [
+    ("op,bytes,num_gpus\nall_reduce,1024,0\n", "o.csv", "num_gpus='0' is not a whole number of at least 2"),
+    ("op,bytes,num_gpus\nall_reduce,1024,1\n", "o.csv", "a collective needs two GPUs or more"),
+    ("op,bytes,num_gpus\nall_reduce,-1024,4\n", "o.csv", "bytes='-1024' is not a number above 0"),
+    ("op,m,n,k,dtype\ngemm,16,8,8,fp16\ngemm,16.5,8,8,fp16\n", "o.csv", "m='16.5' is not a whole number of at least 1, shapes.csv:3"),
+    ("op,batch_size,context_len,num_q_heads,num_kv_heads,head_dim,dtype\nattention_decode,8,64,16,3,128,bf16\n",
+     "o.csv", "num_q_heads=16 is no multiple of num_kv_heads=3"),
+    ("op,m,n,k,dtype\ngemm,16,8,8,fp16\n", "no/such/dir/o.csv", "cannot write 'no/such/dir/o.csv', key out"),
+])
+def test_predict_refuses_shapes_no_gpu_runs_and_an_unwritable_out_in_one_line(tmp_path, csv, out_path, fragment):
+    (tmp_path / "shapes.csv").write_text(csv)
+    out = run("predict", "gpu=h100", "shapes=shapes.csv", f"out={out_path}", cwd=tmp_path)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes.csv"]
+
+
+def test_predict_keeps_cells_as_written_and_names_columns_no_operator_reads(tmp_path):
+    """A misspelt optional column (`batch` for attention_prefill's `batch_size`) would fall back to
+    one chunk without a word: predict names it. Integer columns of a mixed file (blank where an op
+    does not use them) come back as written, not as floats."""
+    (tmp_path / "shapes.csv").write_text("op,chunk_len,context_len,num_q_heads,num_kv_heads,head_dim,dtype,batch,bytes,num_gpus\n"
+                                         "attention_prefill,512,0,32,8,128,bf16,64,,\n"
+                                         "all_reduce,,,,,,,,1048576,8\n")
+    out = run("predict", "gpu=h100", "shapes=shapes.csv", "out=o.csv", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "column(s) batch of shapes.csv: no operator reads them" in out.stderr
+    lines = (tmp_path / "o.csv").read_text().splitlines()
+    assert lines[1].startswith("attention_prefill,512,0,32,8,128,bf16,64,,,")
+    assert lines[2].startswith("all_reduce,,,,,,,,1048576,8,")
+
+
 def test_fit_recovers_known_attention_parameters():
     base = json.loads((resources.files("calibration") / "profiles" / "a100_80g.json").read_text())
     rng, rows = np.random.default_rng(0), []
