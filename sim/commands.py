@@ -258,6 +258,14 @@ def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset())
     if key == "cluster.router_staleness_s" and cfg.cluster.router_staleness_s and "router" not in switches_given \
             and not getattr(get_class(cfg.router._target_), "reads_replica_state", True):
         return f"the router ({cfg.router._target_.rsplit('.', 1)[-1]}) reads no replica state"
+    if key == "router" and cfg.cluster.num_replicas == 1 and not cfg.disaggregation.enabled \
+            and not {"cluster.num_replicas", "disaggregation.enabled"} & switches_given:
+        return "cluster.num_replicas is 1 (a router chooses among replicas)"
+    if key == "swap_space" and cfg.preemption_mode != "swap" and "preemption_mode" not in switches_given:
+        return f"preemption_mode is {cfg.preemption_mode} (swap_space is the CPU memory a swap preemption moves KV to)"
+    if key == "scenario.burstiness" and str(cfg.scenario.get("request_rate")) == "inf" \
+            and "scenario.request_rate" not in switches_given:
+        return "scenario.request_rate is inf (every request arrives at once: there are no gaps to shape)"
     return None
 
 

@@ -196,12 +196,21 @@ def say_data_parallel(spec) -> None:
     print(f"note: {where}: the ranks share one scheduler and one KV pool in kvsim (a rank may hold more than "
           f"its share of the blocks; each sequence's chunk in a step is at most max_num_batched_tokens), a "
           f"step waits for the busiest rank", file=sys.stderr)
-    gpus = spec.tensor_parallel_size * spec.data_parallel_size
-    if gpus > NVLINK_DOMAIN_GPUS:
-        print(f"warning: {where} x tensor_parallel_size={spec.tensor_parallel_size} spreads the experts over "
-              f"{gpus} GPUs, more than one {NVLINK_DOMAIN_GPUS}-GPU NVLink node: kvsim times their all-to-all on "
-              f"the node's NVLink and does not model the network between nodes; fix: at most {NVLINK_DOMAIN_GPUS} "
-              f"GPUs a replica for timings you can trust", file=sys.stderr)
+
+
+def say_beyond_one_node(spec) -> None:
+    """A replica wider than one NVLink node: its collectives are still timed on the node's NVLink."""
+    tp, pp, dp = spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.data_parallel_size
+    if tp * dp > NVLINK_DOMAIN_GPUS:
+        what = (f"data_parallel_size={dp} x tensor_parallel_size={tp} spreads the experts over {tp * dp} GPUs"
+                if dp > 1 else f"tensor_parallel_size={tp} all-reduces over {tp} GPUs")
+    elif tp * pp > NVLINK_DOMAIN_GPUS:
+        what = f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} puts {tp * pp} GPUs in a replica"
+    else:
+        return
+    print(f"warning: {what}, more than one {NVLINK_DOMAIN_GPUS}-GPU NVLink node: kvsim times the collectives "
+          f"and sends on the node's NVLink and does not model the network between nodes; fix: at most "
+          f"{NVLINK_DOMAIN_GPUS} GPUs a replica for timings you can trust", file=sys.stderr)
 
 
 def prepare(cfg: DictConfig) -> Setup:
@@ -287,6 +296,7 @@ def prepare(cfg: DictConfig) -> Setup:
         print(f"note: block_size raised from {spec.block_size} to {pool.block_size} tokens so that an attention page "
               f"holds a state layer's state, as vLLM does for models with Mamba layers", file=sys.stderr)
     say_data_parallel(spec)
+    say_beyond_one_node(spec)
     return Setup(spec, model, kv_dtype, pool, latency, configs)
 
 

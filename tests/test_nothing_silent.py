@@ -252,10 +252,32 @@ def test_a_failed_sweep_into_an_existing_folder_leaves_its_other_folders_alone(t
     (["slo.percentile=95"], "no SLO target is set"),
     (["figures=[kv.waste_of_used]"], "figures_dir is not set"),
     (["cluster.router_staleness_s=2", "router=round_robin"], "reads no replica state"),
+    (["swap_space=16"], "preemption_mode is recompute"),
+    (["router=prefix_aware", "cluster.num_replicas=1"], "cluster.num_replicas is 1"),
 ])
 def test_a_setting_of_something_switched_off_is_an_error_naming_the_switch(tmp_path, args, switch):
     assert_one_line_error(run(tmp_path, "+experiment=golden", *args), "is not read", switch)
     assert not (tmp_path / "out").exists()
+
+
+def test_burstiness_needs_a_request_rate_to_shape(tmp_path):
+    bench = ["scenario=bench", "model=llama31_8b", "gpu=h100", "tensor_parallel_size=1", "scenario.num_prompts=8",
+             "scenario.input_len=32", "scenario.output_len=4", "scenario.burstiness=0.5"]
+    assert_one_line_error(run(tmp_path, *bench), "scenario.burstiness is not read", "scenario.request_rate is inf")
+    assert run(tmp_path, *bench, "scenario.request_rate=20").returncode == 0
+
+
+def test_a_replica_wider_than_one_nvlink_node_is_said(tmp_path):
+    """Collectives are timed on one 8-GPU node's NVLink: a wider replica is warned about."""
+    base = ["scenario=bench", "model=llama31_70b", "gpu=h100", "scenario.num_prompts=4", "scenario.input_len=32",
+            "scenario.output_len=4"]
+    within = run(tmp_path, *base, "tensor_parallel_size=8", "hydra.run.dir=a")
+    tp16 = run(tmp_path, *base, "tensor_parallel_size=16", "hydra.run.dir=b")
+    stages = run(tmp_path, *base, "tensor_parallel_size=8", "pipeline_parallel_size=2", "hydra.run.dir=c")
+    assert within.returncode == tp16.returncode == stages.returncode == 0, (tp16.stderr, stages.stderr)
+    assert "NVLink node" not in within.stderr
+    assert "warning: tensor_parallel_size=16 all-reduces over 16 GPUs, more than one 8-GPU NVLink node" in tp16.stderr
+    assert "pipeline_parallel_size=2 x tensor_parallel_size=8 puts 16 GPUs in a replica" in stages.stderr
 
 
 def test_a_sweep_may_set_what_a_swept_switch_reads(tmp_path):
