@@ -92,6 +92,20 @@ def test_skipped_malformed_records_are_counted_and_announced(tmp_path):
     assert metrics(tmp_path)["unserved"]["skipped_malformed_records"] == 1
 
 
+def test_a_csv_row_short_of_values_is_skipped_like_any_malformed_record(tmp_path):
+    """trace.on_error=skip skips a row with too few values too (it stopped the run with exit 2)."""
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                    "2023-11-16 18:15:50.9951690,abc,35\n2023-11-16 18:15:51.0000000,300\n"
+                    "2023-11-16 18:15:52.0000000,200,20\n")
+    out = run(tmp_path, f"trace.path={path}", "trace.on_error=skip")
+    assert out.returncode == 0, out.stderr
+    assert metrics(tmp_path)["unserved"]["skipped_malformed_records"] == 2
+    stop = sim(tmp_path, "run", f"trace.path={path}", "trace.on_error=raise", "trace.max_requests=3",
+               "hydra.run.dir=raise")
+    assert_one_line_error(stop, "ContextTokens is 'abc'", "azure.csv:3")
+
+
 def test_a_trace_path_without_a_scenario_replays_the_trace(tmp_path):
     out = run(tmp_path, f"trace.path={six_requests(tmp_path)}")
     assert out.returncode == 0, out.stderr

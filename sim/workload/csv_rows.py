@@ -25,6 +25,19 @@ def rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
             if not row or not any(cell.strip() for cell in row):
                 continue
             if len(row) < len(header):
-                raise TraceError(f"{len(row)} values for {len(header)} columns", where, None,
-                                 "give one value per header column")
+                yield where, ShortRow(TraceError(f"{len(row)} values for {len(header)} columns", where, None,
+                                                 "give one value per header column"))
+                continue
             yield where, {name: row[i] for name, i in index.items()}
+
+
+class ShortRow(dict):
+    """A row with fewer values than the header has columns: reading any field raises its error,
+    which the readers yield as a malformed record like any other (trace.on_error raise or skip)."""
+
+    def __init__(self, error: TraceError):
+        super().__init__()
+        self.error = error
+
+    def __getitem__(self, name):
+        raise self.error
