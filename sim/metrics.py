@@ -29,10 +29,16 @@ from sim.slo import SloSpec, slo_block
 
 __all__ = ["TIMELINE_COLUMNS", "summarize", "kv_fractions", "weighted_percentiles", "flatten"]
 
+# A statistic of nothing (no request measured, no KV in use, no step run): NaN in memory, null in
+# metrics.json, n/a in the tables, never a 0 that reads like a measurement.
+NO_DATA = float("nan")
+NO_SAMPLES = {"mean": NO_DATA, "p50": NO_DATA, "p90": NO_DATA, "p99": NO_DATA}
+
+
 def _percentiles(values: pd.Series) -> dict[str, float]:
     data = values.dropna().to_numpy()
     if data.size == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return dict(NO_SAMPLES)
     p50, p90, p99 = np.percentile(data, [50, 90, 99])
     return {"mean": float(data.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
@@ -92,7 +98,7 @@ def measurement_window(requests: pd.DataFrame, warmup_s: float, exclude_drain: b
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict[str, float]:
     """Mean and inverted-CDF percentiles of values repeated weights times."""
     if values.size == 0 or weights.sum() == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return dict(NO_SAMPLES)
     order = np.argsort(values, kind="stable")
     values, cumulative = values[order], np.cumsum(weights[order])
     total = cumulative[-1]
@@ -137,11 +143,11 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
           "cached_idle_frac": kv["cached_idle_frac"], "free_frac": kv["free_frac"]}
     in_use = 1.0 - kv["free_frac"] - kv["cached_idle_frac"]
     wasted = kv["reserved_frac"] + kv["internal_frag_frac"] + kv["external_frag_frac"]
-    kv["waste_frac"] = wasted / in_use if in_use > 0 else 0.0
+    kv["waste_frac"] = wasted / in_use if in_use > 0 else NO_DATA
     for name in USAGE_FIELDS:  # the same shares, named by their denominator
         kv[f"{name}_of_capacity"] = kv[f"{name}_frac"]
     kv["waste_of_used"] = kv["waste_frac"]
-    kv["token_states_of_used"] = kv["token_states_frac"] / in_use if in_use > 0 else 0.0
+    kv["token_states_of_used"] = kv["token_states_frac"] / in_use if in_use > 0 else NO_DATA
     hit_tokens = int(done.prefix_hit_tokens.sum())
     prompt_tokens = int(done.prompt_tokens.sum())
     step_batch_sizes = timeline.batch_size[timeline.batch_size > 0]  # one column, not the table
@@ -175,10 +181,10 @@ def summarize(requests: pd.DataFrame, timeline: pd.DataFrame, *, wall_time_s: fl
         "slo": slo_block(slo or SloSpec(), measured, num_unfinished_measured, duration, finished_in_window),
         "routing": routing_balance(done, int(timeline.replica.max()) + 1 if len(timeline) else 1),
         "kv": kv,
-        "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "prefix_cache": {"hit_rate": hit_tokens / prompt_tokens if prompt_tokens else NO_DATA,
                          "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens},
         "scheduler": {"num_preemptions": int(done.num_preemptions.sum()),
-                      "mean_batch_size": float(step_batch_sizes.mean()) if len(step_batch_sizes) else 0.0,
+                      "mean_batch_size": float(step_batch_sizes.mean()) if len(step_batch_sizes) else NO_DATA,
                       "num_steps": int(len(step_batch_sizes)),
                       "swapped_tokens": int(timeline.num_swapped_tokens.sum())},
         "latency_profile": {"gpu": gpu, "source": profile_source,

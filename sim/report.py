@@ -60,6 +60,8 @@ SERVING_ROWS = [  # (vllm bench serve's label, metrics.json key under vllm_bench
 
 
 def _number(v) -> str:
+    if v != v:  # NaN: a statistic of nothing (sim.metrics.NO_DATA)
+        return "n/a"
     return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
 
 
@@ -71,12 +73,14 @@ def format_table(comparison: pd.DataFrame) -> str:
     if any(f"slo.{name}.target_s" in comparison for name in ("ttft", "tpot", "e2e")):
         columns.update(SLO_COLUMNS)
     table = comparison[list(columns)].rename(columns=columns)
-    return table.to_string(index=False, float_format=_number)
+    return table.to_string(index=False, float_format=_number, na_rep="n/a")
 
 
 def format_serving(comparison: pd.DataFrame) -> str:
     """The serving results in vllm bench serve's words and units (milliseconds)."""
     def cell(key: str, value) -> str:
+        if value != value:  # NaN (or null read back): no request measured
+            return "n/a"
         return f"{int(value)}" if key == "completed" else f"{value:.2f}"
 
     rows = {label: [cell(key, v) for v in comparison[f"vllm_bench.{key}"]] for label, key in SERVING_ROWS}
@@ -217,7 +221,8 @@ def plot_latency_cdfs(requests: dict[str, pd.DataFrame], path: Path, title: str 
         ax.set_ylabel("share of measured requests")
         ax.set_ylim(0, 1.01)
         ax.set_title(f"{label.split()[0]} CDF")
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[1]:  # no finished request: nothing to name
+        axes[0].legend(fontsize=8)
     _finish(fig, path, title)
 
 

@@ -3,6 +3,7 @@ leaves a metrics.json or comparison.csv that looks complete."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -21,7 +22,16 @@ def _atomic(path: Path, write) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+    _atomic(path, lambda tmp: tmp.write_text(json.dumps(_nan_as_null(data), indent=2, allow_nan=False) + "\n"))
+
+
+def _nan_as_null(value):
+    """JSON has no NaN: a statistic of nothing (sim.metrics.NO_DATA) is written as null."""
+    if isinstance(value, dict):
+        return {k: _nan_as_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_as_null(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def write_parquet(path: Path, frame: pd.DataFrame) -> None:

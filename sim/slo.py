@@ -77,9 +77,9 @@ def slo_block(spec: SloSpec, measured: pd.DataFrame, num_unfinished_measured: in
         all_met &= met
         block[name] = {"target_s": target, f"p{spec.percentile:g}_s": at if math.isfinite(at) else None,
                        "met": bool(met),
-                       "attained_share_of_measured_requests": float(meets.sum()) / total if total else 0.0}
+                       "attained_share_of_measured_requests": float(meets.sum()) / total if total else math.nan}
     block["all_met"] = bool(all_met) and total > 0
-    block["attained_all_share_of_measured_requests"] = int(meets_all.sum()) / total if total else 0.0
+    block["attained_all_share_of_measured_requests"] = int(meets_all.sum()) / total if total else math.nan
     block["goodput_requests_per_s"] = int(good.sum()) / duration_s if duration_s > 0 else 0.0
     return block
 

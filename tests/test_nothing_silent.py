@@ -51,6 +51,25 @@ def test_overlength_prompts_are_rejected_counted_shown_and_announced(tmp_path):
     assert dict(zip(header.split(), row.split()))["rejected"] == "2"
 
 
+def test_a_run_that_serves_nothing_reports_no_data_not_zeros(tmp_path):
+    """Every prompt rejected: latencies, shares of used KV, the hit rate and the mean batch are
+    statistics of nothing (null in metrics.json, n/a in the tables), not zeros that read as
+    measurements; throughput is a true 0."""
+    out = run(tmp_path, "scenario=bench", "model=llama31_8b", "gpu=h100", "tensor_parallel_size=1",
+              "scenario.num_prompts=3", "scenario.input_len=4000", "scenario.output_len=4", "max_model_len=2048")
+    assert out.returncode == 0, out.stderr
+    assert "UserWarning" not in out.stderr
+    m = json.loads((tmp_path / "out" / "paged" / "metrics.json").read_text())
+    assert m["num_rejected"] == 3 and m["throughput"]["output_tokens_per_s"] == 0.0
+    assert m["latency_s"]["ttft"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert m["vllm_bench"]["median_ttft_ms"] is None and m["scheduler"]["mean_batch_size"] is None
+    assert m["kv"]["waste_of_used"] is None and m["prefix_cache"]["hit_rate"] is None
+    header, row = out.stdout.splitlines()[1:3]
+    cells = dict(zip(header.split(), row.split()))
+    assert cells["ttft_p50_s"] == cells["waste/used"] == cells["batch"] == "n/a" and cells["out_tok/s"] == "0.000"
+    assert re.search(r"Median TTFT \(ms\) +n/a", out.stdout)
+
+
 def test_truncate_keeps_the_last_tokens_and_says_so(tmp_path):
     out = run(tmp_path, "scenario=trace", f"trace.path={six_requests(tmp_path)}",
               f"max_model_len={MAX_LEN}", "trace.on_overlength=truncate")
