@@ -145,7 +145,7 @@ def benchmark(points, *, device: str, context: dict, timer=do_bench_timer, warmu
             eta = elapsed / index * (len(points) - index)
             bar = "#" * (30 * index // len(points))
             print(f"\r[{bar:<30}] {index}/{len(points)} {op:<17} eta {eta:5.0f}s", end="", file=progress, flush=True)
-    print("" if drawing else f"measured {len(points)} shapes in {time.perf_counter() - started:.0f} s", file=progress)
+    print("" if drawing else f"measured {len(points)} shapes in {time.perf_counter() - started:.1f} s", file=progress)
     rows.append({**launch_overhead_row(device, timer, warmup_ms, rep_ms), **context})
     return rows
 

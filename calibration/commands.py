@@ -24,7 +24,7 @@ from calibration.fit import (
 from calibration.gpus import base_profile, check_profile_name
 from calibration.ops import OPS
 from calibration.raw import RawError, read_raw, write_raw
-from calibration.report import write_report
+from calibration.report import worse_than_datasheet, write_report
 from calibration.shapes import op_rows, read_shapes, unread_columns
 from sim.errors import UnknownNameError
 from sim.latency.profile import load_profile, packaged_profiles
@@ -96,6 +96,10 @@ def _fit_and_write(frame: pd.DataFrame, cfg: DictConfig, source: str, origin: st
               + f"  {errors or 'no held-out split (one shape class, one size range)'}")
     print(f"wrote {folder / 'profile.json'} and {folder / 'fit_report.md'} "
           f"(GPU {profile['gpu_name']}, datasheet base {base['name']})")
+    for worse in worse_than_datasheet(report):
+        print(f"warning: {worse}: the fit predicts rows it did not see worse than the datasheet profile "
+              f"(too few or too noisy measurements); the profile keeps the fit, see fit_report.md; fix: a "
+              f"larger grid (grid=quick or full) or a quieter machine", file=sys.stderr)
     return folder
 
 

@@ -10,6 +10,18 @@ from calibration.fit import operator_params, predict, prepare, to_catalogue
 from calibration.ops import OPS
 from sim.report import _pyplot, _save
 
+NO_SPLIT = ("No held-out split: the grid gave this operator one shape class and one size range, so its "
+            "fit is not checked against rows it did not see")
+
+
+def worse_than_datasheet(report: dict) -> list[str]:
+    """'op split: calibrated MAPE x against the datasheet profile's y' wherever the fit does worse."""
+    return [f"{op} {label.split(' (')[0]}: calibrated MAPE {numbers[key]['mape']:.1%} against the datasheet "
+            f"profile's {numbers[key + '_datasheet']['mape']:.1%}"
+            for op, numbers in report.items() for key, label in splits(op)
+            if key in numbers and numbers[key]["mape"] > numbers[key + "_datasheet"]["mape"]]
+
+
 def splits(op: str) -> tuple[tuple[str, str], ...]:
     low, high = OPS[op].extrapolation_split
     axis = OPS[op].extrapolation_axis
@@ -37,8 +49,11 @@ def markdown(profile: dict, report: dict) -> str:
             f", e_causal = {fit['causal_efficiency']:.3f}" if fit.get("causal_efficiency") else "")
         lines += [f"## {op}", "",
                   f"Fitted: e_c = {fit['compute_efficiency']:.3f}, e_m = {fit['memory_efficiency']:.3f}, "
-                  f"t0 = {fit['t0_s'] * 1e6:.1f} us{extra}.", "",
-                  "| split | rows | MAPE | P90 abs. error | signed bias |", "|---|---:|---:|---:|---:|"]
+                  f"t0 = {fit['t0_s'] * 1e6:.1f} us{extra}.", ""]
+        if not any(key in numbers for key, _ in splits(op)):
+            lines += [NO_SPLIT + ".", ""]
+            continue
+        lines += ["| split | rows | MAPE | P90 abs. error | signed bias |", "|---|---:|---:|---:|---:|"]
         for key, label in splits(op):
             if key in numbers:
                 lines.append(_row(f"calibrated, {label}", numbers[key]))
@@ -52,7 +67,9 @@ def markdown(profile: dict, report: dict) -> str:
                 ours, sheet, roof = (numbers[k]["mape"] for k in (key, f"{key}_datasheet", f"{key}_roofline"))
                 lines.append(f"{label.split(' (')[0].capitalize()}: calibrated MAPE {ours:.1%} against "
                              f"{sheet:.1%} for the datasheet profile's default efficiencies and {roof:.1%} "
-                             f"for the bare datasheet roofline.")
+                             f"for the bare datasheet roofline."
+                             + (" **The fit is worse than the datasheet profile here**: too few or too noisy "
+                                "measurements for this operator; the profile keeps the fit." if ours > sheet else ""))
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -212,3 +212,26 @@ def test_fitting_a_raw_csv_of_measured_and_imported_rows_is_one_line_exit_2_and_
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "fit measured and imported timings" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.csv"]
+
+
+def test_the_report_says_where_the_fit_is_unchecked_or_worse_than_the_datasheet():
+    """A fit worse on held-out rows than the datasheet profile alone is a warning (the CPU smoke
+    loop's memory streams came out 390-457% against 68%), and an operator with no held-out split
+    says its fit is unchecked instead of printing an empty table."""
+    from calibration.report import NO_SPLIT, markdown, worse_than_datasheet
+
+    def errors(mape):
+        return {"num_rows": 6, "mape": mape, "p90_abs_error": mape, "bias": 0.0}
+    fit = {"compute_efficiency": 1.0, "memory_efficiency": 0.2, "t0_s": 1e-6}
+    report = {"stream": {"fit": fit, "held_out_classes": errors(3.9), "held_out_classes_datasheet": errors(0.68),
+                         "held_out_classes_roofline": errors(0.68)},
+              "gemm": {"fit": fit, "held_out_classes": errors(0.1), "held_out_classes_datasheet": errors(0.67),
+                       "held_out_classes_roofline": errors(0.67)},
+              "kv_copy": {"fit": fit}}
+    assert worse_than_datasheet(report) == [
+        "stream held-out shape classes: calibrated MAPE 390.0% against the datasheet profile's 68.0%"]
+    text = markdown({"name": "cpu", "gpu_name": "CPU", "source": "measured"}, report)
+    kv_copy = text.split("## kv_copy")[1]
+    assert NO_SPLIT in kv_copy and "| split |" not in kv_copy
+    assert "worse than the datasheet profile here" in text.split("## stream")[1].split("## ")[0]
+    assert "worse than the datasheet" not in text.split("## gemm")[1].split("## ")[0]
