@@ -1,6 +1,8 @@
 """Small builders shared by the tests."""
 from __future__ import annotations
 
+import math
+
 from sim.workload.request import PrefixInterner, make_request
 
 _interner = PrefixInterner()
@@ -35,3 +37,11 @@ def predicted(tmp_path, rows: list[dict], gpu: str = "a100_80g"):
     pd.DataFrame(rows).to_csv(shapes, index=False)
     predict_task(OmegaConf.create({"gpu": gpu, "shapes": str(shapes), "out": str(out)}))
     return pd.read_csv(out)
+
+
+def differing(first: dict, second: dict) -> list[str]:
+    """Keys of two flattened metrics dicts whose values differ; a statistic of nothing (NaN,
+    sim.metrics.NO_DATA) equals another."""
+    def same(a, b):
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+    return sorted(k for k in first.keys() | second.keys() if not same(first.get(k), second.get(k)))

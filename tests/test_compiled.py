@@ -9,6 +9,7 @@ from sim.errors import ConfigError
 from sim.metrics import flatten
 from sim.run import run_all
 from tests.conftest import compose_config
+from tests.helpers import differing
 
 SHAREGPT = ["scenario=sharegpt", "scenario.max_requests=300", "scenario.arrival_rate_rps=9.6",
             "cluster.num_replicas=3"]
@@ -75,7 +76,7 @@ def test_the_compiled_loop_gives_the_python_engines_results(case, allocator):
     assert engine["loop"] == "compiled" and engine["num_events"] >= compiled.metrics["scheduler"]["num_steps"]
     mp, mc = flatten(python.metrics), flatten(compiled.metrics)
     mp.pop("wall_time_s"), mc.pop("wall_time_s")
-    assert mp == mc, (case, [k for k in mp if mp[k] != mc.get(k)])
+    assert not differing(mp, mc), (case, differing(mp, mc))
     pd.testing.assert_frame_equal(python.requests, compiled.requests)
     pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
 
@@ -87,7 +88,7 @@ def test_guaranteed_no_evict_gives_the_python_engines_results_without_a_preempti
     mp, mc = flatten(python.metrics), flatten(compiled.metrics)
     for m in (mp, mc):
         m.pop("wall_time_s"), [m.pop(k) for k in list(m) if k.startswith("engine")]
-    assert mp == mc, [k for k in mp if mp[k] != mc.get(k)]
+    assert not differing(mp, mc), differing(mp, mc)
     pd.testing.assert_frame_equal(python.requests, compiled.requests)
     pd.testing.assert_frame_equal(python.timeline, compiled.timeline)
     assert compiled.requests.num_preemptions.sum() == 0

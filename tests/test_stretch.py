@@ -17,7 +17,7 @@ from sim.metrics import flatten
 from sim.run import prepare, run_all
 from sim.scheduler import scheduler as scheduler_module
 from tests.conftest import compose_config
-from tests.helpers import seq
+from tests.helpers import differing, seq
 
 ALLOCATORS = "allocators=[contiguous,contiguous_pow2,contiguous_oracle,paged,prefix,radix]"
 CASES = {
@@ -61,7 +61,7 @@ def test_stretches_give_the_step_by_step_results(case):
     for a, b in zip(exact, jumped):
         ma, mb = flatten(a.metrics), flatten(b.metrics)
         ma.pop("wall_time_s"), mb.pop("wall_time_s")
-        assert ma == mb, (case, a.allocator, [k for k in ma if ma[k] != mb.get(k)])
+        assert not differing(ma, mb), (case, a.allocator, differing(ma, mb))
         pd.testing.assert_frame_equal(a.requests, b.requests)
         pd.testing.assert_frame_equal(a.timeline, b.timeline)
 
@@ -84,7 +84,7 @@ def test_the_decode_cohort_gives_the_sequence_by_sequence_results(case, monkeypa
     for a, b in zip(cohort, plain):
         ma, mb = flatten(a.metrics), flatten(b.metrics)
         ma.pop("wall_time_s"), mb.pop("wall_time_s")
-        assert ma == mb, (case, a.allocator, [k for k in ma if ma[k] != mb.get(k)])
+        assert not differing(ma, mb), (case, a.allocator, differing(ma, mb))
         pd.testing.assert_frame_equal(a.requests, b.requests)
         pd.testing.assert_frame_equal(a.timeline, b.timeline)
 
