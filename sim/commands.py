@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -117,7 +118,7 @@ def capacity_task(cfg: DictConfig) -> None:
     capacity.json (and one per allocator folder), capacity.csv and capacity.png."""
     import pandas as pd
 
-    from sim.capacity_search import CapacitySpec, plot_search, run_search
+    from sim.capacity_search import CapacitySpec, offered_rate_rps, plot_search, run_search
     from sim.report import run_title
     from sim.results import write_csv, write_json
     from sim.run import build_workload, prepare
@@ -136,6 +137,10 @@ def capacity_task(cfg: DictConfig) -> None:
     workload = build_workload(cfg, setup.spec.seed)
     if setup.spec.on_overlength == "truncate":
         workload = truncate_overlength(workload, setup.spec.max_model_len)
+    if spec.search == "rate" and math.isinf(offered_rate_rps(workload)):
+        raise ConfigError("capacity.search=rate scales the arrival rate, but every request arrives at once, "
+                          "key capacity.search, give the scenario a finite rate (e.g. scenario.request_rate=10) "
+                          "or use capacity.search=replicas")
     if os.environ.pop(TRACE_SELECTED_ENV, None):
         print("note: trace.* keys given without a scenario: ran scenario=trace", file=sys.stderr)
     title = run_title(cfg, HydraConfig.get(), replicas="searched" if spec.search == "replicas" else None)
@@ -218,7 +223,7 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
         if key.startswith("trace.") and key not in READ_BY_EVERY_SCENARIO and scenario != "trace":
             raise ConfigError(f"{key} is set but scenario={scenario} reads no trace, override "
                               f"'{override}', add scenario=trace or drop the trace.* keys")
-        unread = unread_because(cfg, key, given if in_sweep else set())
+        unread = unread_because(cfg, key, given if in_sweep else set(), command)
         if unread:
             raise ConfigError(f"{key} is not read: {unread}, override '{override}', drop it")
         if key.startswith("allocator_options."):
@@ -229,7 +234,7 @@ def check_keys_are_read(cfg: DictConfig, choices, command: str = "run") -> None:
                                   f"add {name} to allocators or drop the option")
 
 
-def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset()) -> str | None:
+def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset(), command: str = "run") -> str | None:
     """Why nothing in this run reads key (a setting of something switched off), or None. In a
     sweep, a key whose switch the command line also sets is kept: the switch may be swept."""
     from hydra.utils import get_class
@@ -258,8 +263,9 @@ def unread_because(cfg: DictConfig, key: str, switches_given: set = frozenset())
     if key == "cluster.router_staleness_s" and cfg.cluster.router_staleness_s and "router" not in switches_given \
             and not getattr(get_class(cfg.router._target_), "reads_replica_state", True):
         return f"the router ({cfg.router._target_.rsplit('.', 1)[-1]}) reads no replica state"
-    if key == "router" and cfg.cluster.num_replicas == 1 and not cfg.disaggregation.enabled \
-            and not {"cluster.num_replicas", "disaggregation.enabled"} & switches_given:
+    replica_search = command == "capacity" and cfg.capacity.search == "replicas"  # tries 1, 2, 4, ... replicas
+    if key == "router" and cfg.cluster.num_replicas == 1 and not cfg.disaggregation.enabled and not replica_search \
+            and not {"cluster.num_replicas", "disaggregation.enabled", "capacity.search"} & switches_given:
         return "cluster.num_replicas is 1 (a router chooses among replicas)"
     if key == "swap_space" and cfg.preemption_mode != "swap" and "preemption_mode" not in switches_given:
         return f"preemption_mode is {cfg.preemption_mode} (swap_space is the CPU memory a swap preemption moves KV to)"

@@ -22,11 +22,12 @@ def _atomic(path: Path, write) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(_nan_as_null(data), indent=2, allow_nan=False) + "\n"))
+    _atomic(path, lambda tmp: tmp.write_text(json.dumps(_nan_as_null(data), indent=2) + "\n"))
 
 
 def _nan_as_null(value):
-    """JSON has no NaN: a statistic of nothing (sim.metrics.NO_DATA) is written as null."""
+    """A statistic of nothing (sim.metrics.NO_DATA, NaN) is written as null; an infinite rate (all
+    requests at once) stays Infinity, as before."""
     if isinstance(value, dict):
         return {k: _nan_as_null(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -104,3 +104,18 @@ def test_capacity_without_a_target_and_run_with_capacity_keys_are_refused(tmp_pa
     assert_one_line_error(sim(tmp_path, "capacity", "+experiment=golden", "slo.ttft_s=1", "capacity.search=replicas",
                               "capacity.tolerance=0.2", "hydra.run.dir=z"), "capacity.tolerance is not read")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_all_at_once_arrivals_search_replicas_with_any_router_but_no_rate(tmp_path):
+    """A bench sending every request at once has no rate to scale: a rate search is one line (it
+    crashed plotting a log axis of infinite rates); a replica search runs with the router given
+    (the one replica of the bench config is not what it tries) and records the rate as Infinity."""
+    bench = ["scenario=bench", "model=llama31_8b", "tensor_parallel_size=1", "scenario.num_prompts=10",
+             "scenario.input_len=64", "scenario.output_len=8", "slo.ttft_s=2", "allocators=[paged]"]
+    assert_one_line_error(sim(tmp_path, "capacity", *bench, "hydra.run.dir=rate"),
+                          "capacity.search=rate scales the arrival rate", "capacity.search=replicas")
+    assert not (tmp_path / "rate").exists()
+    out = sim(tmp_path, "capacity", *bench, "capacity.search=replicas", "router=least_loaded", "hydra.run.dir=n")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "n" / "capacity.json").read_text())
+    assert summary["min_replicas"] >= 1 and summary["rate_rps"] == float("inf")
