@@ -139,20 +139,22 @@ def predict_task(cfg: DictConfig) -> None:
     """Predicted seconds for each row of a shapes CSV (calibration.shapes), in order, written to `out`."""
     profile = profile_json(cfg.gpu)
     shapes_path, out_path = Path(cfg.shapes), Path(cfg.out)
-    shapes = read_shapes(shapes_path)
+    shapes, lines = read_shapes(shapes_path)
     if not out_path.parent.is_dir() or out_path.is_dir():
         raise RawError(f"cannot write '{out_path}', key out, give a file path in a folder that exists")
     out = np.empty(len(shapes))
     for op, index in shapes.groupby("op").indices.items():
-        rows = op_rows(shapes, op, index, shapes_path).assign(time_s=1.0)
+        rows = op_rows(shapes, lines, op, index, shapes_path).assign(time_s=1.0)
         if op != "gemm" and "dtype" in OPS[op].columns and (rows.dtype == "nvfp4").any():
             raise RawError(f"op={op} rows of dtype nvfp4: NVFP4 is a weight type, {shapes_path}, "
                            f"give {op} rows a dtype of fp16, bf16, fp8 or fp32 (nvfp4: op=gemm rows only)")
         try:
             prepared = prepare(rows, op, profile)
         except (KeyError, ValueError) as exc:
-            raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, "
-                           f"give {op} rows a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)") from None
+            names = [c for c in OPS[op].columns if c in ("dtype", "kind")]
+            raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, give {op} rows "
+                           + ("a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in names else
+                              f"values for {', '.join(OPS[op].columns)}")) from None
         if op == "all_reduce":
             out[index] = engine_all_reduce(rows, profile)
         elif op == "gemm":  # each dtype's own operator (gemm_fp8, gemm_fp4), as the simulator picks it

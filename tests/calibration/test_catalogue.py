@@ -123,7 +123,11 @@ def test_predict_rejects_unknown_ops_and_missing_columns_in_one_line(tmp_path, c
     ("op,bytes,num_gpus\nall_reduce,1024,0\n", "o.csv", "num_gpus='0' is not a whole number of at least 2"),
     ("op,bytes,num_gpus\nall_reduce,1024,1\n", "o.csv", "a collective needs two GPUs or more"),
     ("op,bytes,num_gpus\nall_reduce,-1024,4\n", "o.csv", "bytes='-1024' is not a number above 0"),
-    ("op,m,n,k,dtype\ngemm,16,8,8,fp16\ngemm,16.5,8,8,fp16\n", "o.csv", "m='16.5' is not a whole number of at least 1, shapes.csv:3"),
+    ("op,m,n,k,dtype\ngemm,16,8,8,fp16\n\ngemm,16,8.5,8,fp16\n", "o.csv", "n='8.5' is not a whole number of at least 1, shapes.csv:4"),
+    ("op,m,n,k,dtype\ngemm,16,8,8,fp16,1\n", "o.csv", "6 values for 5 columns, shapes.csv:2"),
+    ("op,m,n,k,dtype\n", "o.csv", "no rows under the header"),
+    ("", "o.csv", "empty file"),
+    ("op,bytes,pinned\nhost_copy,4096,yes\n", "o.csv", "pinned='yes' is not true or false"),
     ("op,batch_size,context_len,num_q_heads,num_kv_heads,head_dim,dtype\nattention_decode,8,64,16,3,128,bf16\n",
      "o.csv", "num_q_heads=16 is no multiple of num_kv_heads=3"),
     ("op,m,n,k,dtype\ngemm,16,8,8,fp16\n", "no/such/dir/o.csv", "cannot write 'no/such/dir/o.csv', key out"),
@@ -134,6 +138,20 @@ def test_predict_refuses_shapes_no_gpu_runs_and_an_unwritable_out_in_one_line(tm
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes.csv"]
+
+
+def test_predict_takes_the_fractional_amounts_the_simulator_times_and_flags_in_any_case(tmp_path):
+    """A pipeline's micro-batch of 7 sequences over 2 stages is 3.5 sequences, and the simulator
+    times its host step and GEMMs at that (sim.latency.model): predict takes such amounts (bytes, a
+    GEMM's m, a host step's batch_size). A host copy's pinned flag reads true/True/1 alike."""
+    out = predicted(tmp_path, [{"op": "cpu_step", "batch_size": 3.5}, {"op": "cpu_step", "batch_size": 4},
+                               {"op": "gemm", "m": 3.5, "n": 4096, "k": 4096, "dtype": "bf16"},
+                               *({"op": "host_copy", "bytes": 2**22, "pinned": flag} for flag in ("True", "true", "1"))],
+                    gpu="h200")
+    step, gemm, copies = out.time_s[:2].tolist(), out.time_s[2], out.time_s[3:].tolist()
+    latency = LatencyModel(load_model("llama31_8b"), load_profile("h200"), 1, "bf16")
+    assert step[0] == pytest.approx(latency.cpu_time(3.5), rel=1e-12) and step[0] < step[1]
+    assert gemm > 0 and len(set(copies)) == 1
 
 
 def test_predict_keeps_cells_as_written_and_names_columns_no_operator_reads(tmp_path):
