@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests pac
 from sim.metrics import flatten  # noqa: E402
 from sim.run import run_all  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
+from tests.helpers import differing  # noqa: E402
 
 ALLOCATORS = "[contiguous,contiguous_pow2,contiguous_oracle,paged,prefix,radix]"
 SMALL = {
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
     different = 0
     for case in sorted(set(before) | set(current)):
         old, new = before.get(case, {}), current.get(case, {})
-        moved = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        moved = differing(old, new)  # a statistic of nothing (NaN) equals another
         if moved:
             different += 1
             print(f"{case}: {len(moved)} differ: " + ", ".join(

@@ -277,7 +277,7 @@ def _with_denominator_names(comparison: pd.DataFrame) -> pd.DataFrame:
         comparison[f"kv.{key}_of_capacity"] = comparison[f"kv.{key}_frac"]
     used = 1 - comparison["kv.free_frac"] - comparison["kv.cached_idle_frac"]
     comparison["kv.waste_of_used"] = comparison["kv.waste_frac"]
-    comparison["kv.token_states_of_used"] = (comparison["kv.token_states_frac"] / used).where(used > 0, 0.0)
+    comparison["kv.token_states_of_used"] = (comparison["kv.token_states_frac"] / used).where(used > 0)  # else NaN
     return comparison
 
 

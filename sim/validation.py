@@ -189,7 +189,7 @@ class Summary:
 
 def summarize(table: pd.DataFrame, quick: bool = False) -> Summary:
     ran = table[table.status != "not run"]
-    errors = ran.error.abs()
+    errors = ran.error.abs().fillna(math.inf)  # a run that measured nothing is the worst of misses
     worst = ran.loc[errors.idxmax()] if len(ran) else None
     by_load = ran[(errors <= WITHIN) & ran.set_by_load]
     return Summary(len(table), len(ran), int((errors <= WITHIN).sum()),
@@ -204,6 +204,9 @@ def status(row: dict, error: float | None) -> tuple[str, str]:
     if error is None:
         return "not run", row["not_run_reason"]
     explanation = "; ".join(part for part in (row.get("known_gap", ""), row["caveat"]) if part)
+    if math.isnan(error):
+        return "miss", "; ".join(part for part in ("kvsim's run measured nothing for this metric (no request "
+                                                   "served in its window)", explanation) if part)
     if abs(error) <= WITHIN:
         return "within", explanation
     return "miss", explanation or "unexplained (see docs/validation.md)"

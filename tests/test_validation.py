@@ -57,6 +57,18 @@ def test_a_miss_carries_the_rows_caveat_and_a_row_not_run_its_reason():
     assert validation.status({"caveat": "", "not_run_reason": "FP4"}, None) == ("not run", "FP4")
 
 
+def test_a_row_whose_run_measured_nothing_is_the_worst_miss_and_counts_in_the_median():
+    """kvsim's metric NaN (no request served in the window): a miss that says so, never left out."""
+    state, why = validation.status({"caveat": "static batching", "not_run_reason": ""}, float("nan"))
+    assert state == "miss" and why.startswith("kvsim's run measured nothing") and why.endswith("static batching")
+    table = pd.DataFrame({"id": ["R1", "R2", "R3"], "metric": ["ttft_mean"] * 3, "status": ["within", "within", "miss"],
+                          "error": [0.01, -0.05, float("nan")], "ratio": [1.01, 0.95, float("nan")],
+                          "set_by_load": [False] * 3})
+    summary = validation.summarize(table)
+    assert summary.num_run == 3 and summary.num_within == 2 and summary.worst.startswith("R3")
+    assert summary.median_abs_error == pytest.approx(0.05)
+
+
 def test_a_file_without_the_columns_is_one_clear_error(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("id,value\nR1,3\n")
