@@ -151,9 +151,8 @@ def predict_task(cfg: DictConfig) -> None:
         try:
             prepared = prepare(rows, op, profile)
         except (KeyError, ValueError) as exc:
-            names = [c for c in OPS[op].columns if c in ("dtype", "kind")]
             raise RawError(f"op={op} rows have a bad value ({exc}), {shapes_path}, give {op} rows "
-                           + ("a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in names else
+                           + ("a dtype of fp16, bf16, fp8, fp32 or nvfp4 (gemm)" if "dtype" in OPS[op].columns else
                               f"values for {', '.join(OPS[op].columns)}")) from None
         if op == "all_reduce":
             out[index] = engine_all_reduce(rows, profile)

@@ -60,8 +60,6 @@ SERVING_ROWS = [  # (vllm bench serve's label, metrics.json key under vllm_bench
 
 
 def _number(v) -> str:
-    if v != v:  # NaN: a statistic of nothing (sim.metrics.NO_DATA)
-        return "n/a"
     return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
 
 
@@ -73,7 +71,7 @@ def format_table(comparison: pd.DataFrame) -> str:
     if any(f"slo.{name}.target_s" in comparison for name in ("ttft", "tpot", "e2e")):
         columns.update(SLO_COLUMNS)
     table = comparison[list(columns)].rename(columns=columns)
-    return table.to_string(index=False, float_format=_number, na_rep="n/a")
+    return table.to_string(index=False, float_format=_number, na_rep="n/a")  # NaN: sim.metrics.NO_DATA
 
 
 def format_serving(comparison: pd.DataFrame) -> str:
